@@ -1,0 +1,39 @@
+"""jax_lossscale: loss scaling for mixed-precision training in JAX and optax."""
+
+from jax_lossscale._loss_scale import DynamicLossScale
+from jax_lossscale._loss_scale import FixedLossScale
+from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import NoOpLossScale
+from jax_lossscale._serialization import deserialize
+from jax_lossscale._serialization import get
+from jax_lossscale._serialization import serialize
+from jax_lossscale._transform import LossScaleStuckError
+from jax_lossscale._transform import LossScalingState
+from jax_lossscale._transform import get_loss_scale
+from jax_lossscale._transform import loss_scaling
+from jax_lossscale._transform import metrics
+from jax_lossscale._transform import raise_if_stuck
+from jax_lossscale._transform import scaled_value_and_grad
+from jax_lossscale._tree import all_finite
+from jax_lossscale._tree import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "LossScaleStuckError",
+    "LossScalingState",
+    "NoOpLossScale",
+    "all_finite",
+    "deserialize",
+    "get",
+    "get_loss_scale",
+    "loss_scaling",
+    "metrics",
+    "raise_if_stuck",
+    "scaled_value_and_grad",
+    "select_tree",
+    "serialize",
+)

@@ -1,0 +1,287 @@
+"""Loss scaling as an optax `GradientTransformation`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_lossscale import _loss_scale
+from jax_lossscale import _serialization
+from jax_lossscale import _tree
+
+
+class LossScalingState(NamedTuple):
+  """State of `loss_scaling`.
+
+  Attributes:
+    loss_scale: the current `LossScale`: the scale the *next* step's loss must be
+      multiplied by, with its counters.
+    inner_state: the state of the wrapped transformation; left exactly as it was on
+      a skipped step.
+    skipped_steps: int32 scalar, the number of steps skipped so far.
+    consecutive_skips: int32 scalar, the number of steps skipped in a row up to now
+      (0 after an applied step).
+    last_applied: bool scalar, whether the last step was applied.
+    nonfinite_loss_steps: int32 scalar, the number of steps skipped because the
+      (unscaled) loss passed as `loss=` was itself inf or NaN: a forward-pass
+      problem that no loss scale can cause or cure, so the scale is left alone.
+  """
+
+  loss_scale: _loss_scale.LossScale
+  inner_state: optax.OptState
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  last_applied: jax.Array
+  nonfinite_loss_steps: jax.Array
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: _loss_scale.LossScale | float | str | dict = _loss_scale.DynamicLossScale(),
+    *,
+    axis_name: _tree.AxisName = None,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
+
+  `update(grads, state, params=None, *, loss=None, **extra_args)` takes the
+  gradients of the **scaled** loss (computed with `state.loss_scale`, e.g. by
+  `scaled_value_and_grad`). It divides them by that scale, checks once whether they
+  are finite, updates the loss scale, and runs `inner` on the unscaled gradients.
+  On a skipped step the updates are exactly zero (chosen with `jnp.where`) and
+  `inner_state` is returned unchanged, so moments are not poisoned and step counts
+  and schedules do not advance.
+
+  A step is skipped when the loss scale says so (`should_apply` False) and, with
+  `skip_nonfinite=True`, whenever the unscaled gradients are not finite, whatever
+  the loss scale: even with a `FixedLossScale` no NaN ever reaches the parameters.
+  If `loss=` (the unscaled loss) is given and is not finite, the step is skipped,
+  the loss scale is left as it was, and `nonfinite_loss_steps` counts it.
+
+  Args:
+    inner: the optimizer to wrap, e.g. `optax.adam(1e-3)` or an `optax.chain`.
+    loss_scale: a `LossScale`, or an identifier accepted by `jax_lossscale.get`
+      (a number for a fixed scale, `"dynamic"`, or a serialized dict).
+    axis_name: inside `shard_map`/`pmap`, the mapped axis name (or tuple of names)
+      over which finiteness is agreed with one collective, so every replica skips
+      the same steps. Not needed under SPMD `jit` with global arrays.
+    skip_nonfinite: also skip non-finite steps that the loss scale would apply.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; extra keyword arguments other than
+    `loss` are passed on to `inner`.
+  """
+  initial = _serialization.get(loss_scale)
+  if not isinstance(initial, _loss_scale.LossScale):
+    raise ValueError(f"loss_scaling: `loss_scale` must not be None, got {loss_scale!r}.")
+  if not isinstance(skip_nonfinite, bool):
+    raise ValueError(f"loss_scaling: `skip_nonfinite` must be a bool, got {skip_nonfinite!r}.")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zero = jnp.zeros([], jnp.int32)
+    return LossScalingState(
+        loss_scale=jax.tree.map(jnp.asarray, initial),
+        inner_state=inner.init(params),
+        skipped_steps=zero,
+        consecutive_skips=zero,
+        last_applied=jnp.array(True),
+        nonfinite_loss_steps=zero,
+    )
+
+  def update_fn(grads, state, params=None, *, loss=None, **extra_args):
+    loss_scale_ = state.loss_scale
+    grads = loss_scale_.unscale(grads)
+    grads_finite, loss_finite = _agree_finite(grads, loss, axis_name)
+
+    new_loss_scale, should_apply = loss_scale_.adjust(grads_finite)
+    if skip_nonfinite:
+      should_apply = should_apply & grads_finite
+    if loss_finite is not None:
+      # Scaling cannot cause or cure a non-finite forward pass: keep the scale.
+      new_loss_scale = _tree.select_tree(loss_finite, new_loss_scale, loss_scale_)
+      should_apply = should_apply & loss_finite
+
+    updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    updates = jax.tree.map(lambda u: jnp.where(should_apply, u, jnp.zeros_like(u)), updates)
+    new_inner_state = _tree.select_tree(should_apply, new_inner_state, state.inner_state)
+
+    new_state = LossScalingState(
+        loss_scale=new_loss_scale,
+        inner_state=new_inner_state,
+        skipped_steps=jnp.where(
+            should_apply, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+        ),
+        consecutive_skips=jnp.where(
+            should_apply, 0, optax.safe_increment(state.consecutive_skips)
+        ),
+        last_applied=should_apply,
+        nonfinite_loss_steps=state.nonfinite_loss_steps
+        + (0 if loss_finite is None else jnp.logical_not(loss_finite).astype(jnp.int32)),
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _agree_finite(grads, loss, axis_name):
+  """Finiteness of grads (and loss, if given), agreed across `axis_name` at once."""
+  flags = [jnp.logical_not(_tree.local_all_finite(grads))]
+  if loss is not None:
+    flags.append(jnp.logical_not(_tree.local_all_finite(loss)))
+  counts = _tree.count_across(jnp.stack(flags).astype(jnp.int32), axis_name)
+  grads_finite = counts[0] == 0
+  loss_finite = None if loss is None else counts[1] == 0
+  return grads_finite, loss_finite
+
+
+def find_state(opt_state: Any) -> LossScalingState:
+  """Finds the one `LossScalingState` anywhere inside a (nested) optax state.
+
+  Looks through chains, `MultiSteps`, `inject_hyperparams`, `multi_transform` and
+  any other pytree of states.
+
+  Raises:
+    ValueError: if there is none, or more than one.
+  """
+  if isinstance(opt_state, LossScalingState):
+    return opt_state
+  found = [
+      leaf
+      for leaf in jax.tree.leaves(
+          opt_state, is_leaf=lambda x: isinstance(x, LossScalingState)
+      )
+      if isinstance(leaf, LossScalingState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        f"Expected exactly one loss_scaling state inside the optimizer state, found "
+        f"{len(found)}. Is the optimizer wrapped with jax_lossscale.loss_scaling?"
+    )
+  return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> _loss_scale.LossScale:
+  """Returns the current `LossScale` found anywhere inside a nested optax state."""
+  return find_state(opt_state).loss_scale
+
+
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
+  """Scalars for logging: `loss_scale`, `skipped_steps`, `consecutive_skips`,
+  `last_applied`, `nonfinite_loss_steps`.
+
+  Jittable; the values stay on device until the caller reads them.
+  """
+  state = find_state(opt_state)
+  return {
+      "loss_scale": state.loss_scale(),
+      "skipped_steps": state.skipped_steps,
+      "consecutive_skips": state.consecutive_skips,
+      "last_applied": state.last_applied,
+      "nonfinite_loss_steps": state.nonfinite_loss_steps,
+  }
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+  """Like `jax.value_and_grad`, for a loss that must be multiplied by the loss scale.
+
+  The returned function takes the loss scale first: either a `LossScale` or an
+  optimizer state containing a `loss_scaling` state (the scale is looked up in it).
+  It differentiates `loss_scale.scale(fun(...))` and returns the **unscaled** loss
+  (and aux) with the gradients of the **scaled** loss, ready for the `update` of a
+  `loss_scaling` transformation, which unscales them::
+
+      grad_fn = jax_lossscale.scaled_value_and_grad(loss_fn)
+      loss, grads = grad_fn(opt_state, params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+
+  Args:
+    fun: the loss function; returns a scalar (or `(scalar, aux)` with `has_aux`).
+    argnums: as in `jax.value_and_grad`.
+    has_aux: as in `jax.value_and_grad`.
+
+  Returns:
+    A function `(loss_scale_or_opt_state, *args, **kwargs) -> (value, grads)`.
+  """
+
+  def scaled(loss_scale, *args, **kwargs):
+    out = fun(*args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    return loss_scale.scale(loss), (loss, aux)
+
+  grad_fn = jax.value_and_grad(scaled, argnums=_shift(argnums), has_aux=True)
+
+  @functools.wraps(fun)
+  def wrapper(loss_scale_or_state, *args, **kwargs):
+    loss_scale = (
+        loss_scale_or_state
+        if isinstance(loss_scale_or_state, _loss_scale.LossScale)
+        else get_loss_scale(loss_scale_or_state)
+    )
+    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapper
+
+
+def _shift(argnums):
+  if isinstance(argnums, int):
+    return argnums + 1
+  return tuple(a + 1 for a in argnums)
+
+
+class LossScaleStuckError(RuntimeError):
+  """Raised by `raise_if_stuck` when training makes no progress."""
+
+
+def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
+  """Fails fast when every recent step was skipped.
+
+  A host-side check: it reads three scalars from the device, so call it at your
+  logging cadence (every N steps), not inside the jitted step.
+
+  Args:
+    opt_state: an optimizer state containing a `loss_scaling` state.
+    max_consecutive_skips: how many skipped steps in a row count as stuck.
+
+  Raises:
+    LossScaleStuckError: with the scale, the floor and the likely cause.
+    ValueError: if `max_consecutive_skips` is not a positive integer.
+  """
+  if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
+      or max_consecutive_skips < 1:
+    raise ValueError(
+        f"`max_consecutive_skips` must be a positive int, got {max_consecutive_skips!r}."
+    )
+  state = find_state(opt_state)
+  consecutive = int(state.consecutive_skips)
+  if consecutive < max_consecutive_skips:
+    return
+  scale = float(state.loss_scale())
+  floor = getattr(state.loss_scale, "min_loss_scale", None)
+  at_floor = floor is not None and scale <= floor
+  nonfinite_loss = int(state.nonfinite_loss_steps)
+  cause = (
+      "the loss itself is inf/NaN (a forward-pass problem, not an overflow)"
+      if nonfinite_loss and nonfinite_loss >= consecutive
+      else "the unscaled gradients are inf/NaN even at this scale, so the model "
+      "itself diverges or overflows in the forward pass"
+      if at_floor
+      else "the gradients keep overflowing"
+  )
+  raise LossScaleStuckError(
+      f"Training is stuck: the last {consecutive} steps were all skipped "
+      f"(max_consecutive_skips={max_consecutive_skips}). Current loss scale {scale:g}"
+      + (f", already at its minimum {floor:g}" if at_floor else "")
+      + f". Likely cause: {cause}. Use jax_lossscale.nonfinite_leaf_paths on the "
+      "gradients to find where."
+  )

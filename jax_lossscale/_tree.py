@@ -1,0 +1,123 @@
+"""Tree helpers shared by every loss scale and by the optax transformation.
+
+A gradient tree may hold more than floating arrays: `None` for parameters without
+gradients, integer or boolean arrays, and, in equinox-style modules, strings, functions
+or other static Python objects. Only floating (inexact) arrays take part in loss
+scaling; everything else passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AxisName = Union[Hashable, Sequence[Hashable], None]
+
+
+def is_float_array(x: Any) -> bool:
+  """Whether `x` is an array (concrete or traced) with a floating or complex dtype."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+      x.dtype, jnp.inexact
+  )
+
+
+def float_leaves(tree: Any) -> list[jax.Array]:
+  """The floating array leaves of `tree`, in `jax.tree.leaves` order."""
+  return [x for x in jax.tree.leaves(tree) if is_float_array(x)]
+
+
+def map_float_leaves(fn, tree: Any) -> Any:
+  """Applies `fn` to every floating array leaf; other leaves and `None` pass through."""
+  return jax.tree.map(lambda x: fn(x) if is_float_array(x) else x, tree)
+
+
+def _axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def count_across(flags: jax.Array, axis_name: AxisName) -> jax.Array:
+  """Sums an int32 vector of flags over the named mapped axes with one collective.
+
+  Outside `shard_map`/`pmap` (no `axis_name`) the flags are returned unchanged: SPMD
+  `jit` over global arrays already computes global reductions.
+  """
+  axes = _axis_tuple(axis_name)
+  if not axes:
+    return flags
+  return jax.lax.psum(flags, axes)
+
+
+def local_all_finite(tree: Any) -> jax.Array:
+  """`all_finite` without any collective: this device's (or this array's) view."""
+  leaves = float_leaves(tree)
+  if not leaves:
+    return jnp.array(True)
+  per_leaf = [jnp.all(jnp.isfinite(x)) for x in leaves]
+  return jnp.all(jnp.stack(per_leaf)) if len(per_leaf) > 1 else per_leaf[0]
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """Whether every floating value in `tree` is finite (no inf, no NaN).
+
+  `None` leaves and non-floating or non-array leaves (ints, bools, strings,
+  functions) are ignored; an empty or all-`None` tree counts as finite.
+
+  Args:
+    tree: any pytree, typically gradients.
+    axis_name: inside `shard_map` or `pmap`, the mapped axis name (or a tuple of
+      names) across which the answer is agreed; every device then gets the same
+      answer, computed with a single collective on one scalar.
+
+  Returns:
+    A boolean scalar array.
+  """
+  finite = local_all_finite(tree)
+  if _axis_tuple(axis_name):
+    nonfinite = count_across(jnp.logical_not(finite).astype(jnp.int32), axis_name)
+    finite = nonfinite == 0
+  return finite
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """Chooses `on_true` or `on_false` leaf by leaf on a scalar boolean `pred`.
+
+  Uses `jnp.where`, never a multiplication by a 0/1 mask, so a NaN in the branch
+  that is not chosen never leaks into the result (0 × NaN is NaN).
+
+  Args:
+    pred: a boolean scalar (array or Python bool).
+    on_true: a pytree.
+    on_false: a pytree with the same structure, shapes and dtypes as `on_true`.
+      Leaves that are not arrays (strings, functions) are taken from `on_true`.
+
+  Returns:
+    A pytree with the structure of `on_true`.
+
+  Raises:
+    ValueError: if `pred` is not a scalar.
+    TypeError: if two array leaves differ in dtype or shape.
+  """
+  pred = jnp.asarray(pred)
+  if pred.shape != ():
+    raise ValueError(f"select_tree: `pred` must be a scalar, got shape {pred.shape}.")
+  pred = pred.astype(jnp.bool_)
+
+  def select(a, b):
+    if not isinstance(a, (jax.Array, np.ndarray, np.generic)):
+      return a
+    if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+      raise TypeError(
+          "select_tree: leaves must have the same shape and dtype, got "
+          f"{jnp.shape(a)}/{jnp.result_type(a)} and {jnp.shape(b)}/{jnp.result_type(b)}."
+      )
+    return jnp.where(pred, a, b)
+
+  return jax.tree.map(select, on_true, on_false)

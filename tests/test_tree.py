@@ -1,0 +1,52 @@
+"""Specification of `all_finite` and `select_tree`."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_lossscale as jls
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_all_finite_is_false_for_a_single_bad_element(dtype, maybe_jit):
+  tree = {"a": jnp.ones((4, 4), dtype), "b": [jnp.ones(7, dtype), None]}
+  assert bool(maybe_jit(jls.all_finite)(tree))
+  tree["b"][0] = tree["b"][0].at[6].set(jnp.nan)
+  assert not bool(maybe_jit(jls.all_finite)(tree))
+
+
+def test_all_finite_ignores_integer_and_non_array_leaves():
+  tree = {"i": jnp.array([2**31 - 1]), "b": jnp.array(True), "s": "name", "f": len}
+  assert bool(jls.all_finite(tree))
+
+
+@pytest.mark.parametrize("tree", [{}, None, [None], ((), {})])
+def test_all_finite_of_an_empty_tree_is_true(tree):
+  result = jls.all_finite(tree)
+  assert result.dtype == jnp.bool_ and result.shape == () and bool(result)
+
+
+def test_select_tree_picks_whole_trees_without_leaking_nan(maybe_jit):
+  good = {"m": jnp.ones(3), "count": jnp.array(4, jnp.int32)}
+  bad = {"m": jnp.full(3, jnp.nan), "count": jnp.array(5, jnp.int32)}
+  select = maybe_jit(jls.select_tree)
+  chex.assert_trees_all_equal(select(jnp.array(False), bad, good), good)
+  chex.assert_trees_all_equal(select(jnp.array(True), good, bad), good)
+  chex.assert_trees_all_equal(select(False, bad, good), good)
+
+
+def test_select_tree_rejects_a_non_scalar_predicate():
+  with pytest.raises(ValueError, match="`pred` must be a scalar"):
+    jls.select_tree(jnp.array([True, False]), [jnp.ones(2)], [jnp.ones(2)])
+
+
+def test_select_tree_rejects_mismatched_leaves():
+  with pytest.raises(TypeError, match="same shape and dtype"):
+    jls.select_tree(True, [jnp.ones(2)], [jnp.ones(2, jnp.float16)])
+
+
+def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
+  out = jls.select_tree(False, {"f": jax.nn.relu, "x": jnp.ones(1)},
+                        {"f": jax.nn.relu, "x": jnp.zeros(1)})
+  assert out["f"] is jax.nn.relu and float(out["x"][0]) == 0
