@@ -13,7 +13,9 @@ import abc
 import dataclasses
 import math
 import numbers
-from typing import Any, ClassVar, TypeVar
+from typing import Any
+from typing import ClassVar
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +50,14 @@ def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   keys = tuple(jax.tree_util.GetAttrKey(n) for n in state_names)
 
   def flatten_with_keys(obj):
-    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, state_names))
+    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, state_names, strict=False))
     return children, tuple(getattr(obj, n) for n in static_names)
 
   def unflatten(static, children):
     obj = object.__new__(cls)
-    for name, value in zip(static_names, static):
+    for name, value in zip(static_names, static, strict=False):
       object.__setattr__(obj, name, value)
-    for name, value in zip(state_names, children):
+    for name, value in zip(state_names, children, strict=False):
       object.__setattr__(obj, name, value)
     return obj
 

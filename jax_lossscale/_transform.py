@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +44,12 @@ class LossScalingState(NamedTuple):
 
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: _loss_scale.LossScale | float | str | dict = _loss_scale.DynamicLossScale(),
+    # Loss scales are immutable, so a shared default instance is safe.
+    loss_scale: _loss_scale.LossScale | float | str | dict = _loss_scale.DynamicLossScale(),  # noqa: B008
     *,
     axis_name: _tree.AxisName = None,
     skip_nonfinite: bool = True,
+    check_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
@@ -71,6 +75,11 @@ def loss_scaling(
       over which finiteness is agreed with one collective, so every replica skips
       the same steps. Not needed under SPMD `jit` with global arrays.
     skip_nonfinite: also skip non-finite steps that the loss scale would apply.
+    check_updates: also skip a step whose *updates* are not finite although the
+      gradients were, i.e. when the inner optimizer itself produces inf/NaN (for
+      example Adam on float16 parameters, whose `eps=1e-8` underflows to 0). Costs
+      one more pass over the updates (and a second collective with `axis_name`),
+      so it is off by default; the loss scale is not changed by such a step.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; extra keyword arguments other than
@@ -79,19 +88,21 @@ def loss_scaling(
   initial = _serialization.get(loss_scale)
   if not isinstance(initial, _loss_scale.LossScale):
     raise ValueError(f"loss_scaling: `loss_scale` must not be None, got {loss_scale!r}.")
-  if not isinstance(skip_nonfinite, bool):
-    raise ValueError(f"loss_scaling: `skip_nonfinite` must be a bool, got {skip_nonfinite!r}.")
+  for name, flag in [("skip_nonfinite", skip_nonfinite), ("check_updates", check_updates)]:
+    if not isinstance(flag, bool):
+      raise ValueError(f"loss_scaling: `{name}` must be a bool, got {flag!r}.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = jnp.zeros([], jnp.int32)
+    # Separate buffers for every field: a donated state must not alias itself.
+    zero = lambda: jnp.zeros([], jnp.int32)
     return LossScalingState(
-        loss_scale=jax.tree.map(jnp.asarray, initial),
+        loss_scale=jax.tree.map(jnp.array, initial),
         inner_state=inner.init(params),
-        skipped_steps=zero,
-        consecutive_skips=zero,
-        last_applied=jnp.array(True),
-        nonfinite_loss_steps=zero,
+        skipped_steps=zero(),
+        consecutive_skips=zero(),
+        last_applied=jnp.ones([], jnp.bool_),
+        nonfinite_loss_steps=zero(),
     )
 
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
@@ -108,6 +119,8 @@ def loss_scaling(
       should_apply = should_apply & loss_finite
 
     updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    if check_updates:
+      should_apply = should_apply & _agree_finite(updates, None, axis_name)[0]
     updates = jax.tree.map(lambda u: jnp.where(should_apply, u, jnp.zeros_like(u)), updates)
     new_inner_state = _tree.select_tree(should_apply, new_inner_state, state.inner_state)
 

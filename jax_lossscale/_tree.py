@@ -8,14 +8,15 @@ scaling; everything else passes through untouched.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Any, Union
+from collections.abc import Hashable
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-AxisName = Union[Hashable, Sequence[Hashable], None]
+AxisName = Hashable | Sequence[Hashable] | None
 
 
 def is_float_array(x: Any) -> bool:
