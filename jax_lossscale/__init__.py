@@ -1,9 +1,13 @@
 """jax_lossscale: loss scaling for mixed-precision training in JAX and optax."""
 
+from jax_lossscale import presets
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import NoOpLossScale
+from jax_lossscale._managers import ExponentialUpdateLossScaleManager
+from jax_lossscale._managers import FixedLossScaleManager
+from jax_lossscale._managers import LossScaleManager
 from jax_lossscale._serialization import deserialize
 from jax_lossscale._serialization import get
 from jax_lossscale._serialization import serialize
@@ -21,8 +25,11 @@ __version__ = "0.1.0"
 
 __all__ = (
     "DynamicLossScale",
+    "ExponentialUpdateLossScaleManager",
     "FixedLossScale",
+    "FixedLossScaleManager",
     "LossScale",
+    "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
     "NoOpLossScale",
@@ -32,6 +39,7 @@ __all__ = (
     "get_loss_scale",
     "loss_scaling",
     "metrics",
+    "presets",
     "raise_if_stuck",
     "scaled_value_and_grad",
     "select_tree",

@@ -71,7 +71,7 @@ def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   return cls
 
 
-def _check_real(name: str, value: Any) -> float:
+def check_real(name: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise ValueError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__}).")
   value = float(value)
@@ -80,7 +80,7 @@ def _check_real(name: str, value: Any) -> float:
   return value
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
   if value < minimum:
@@ -266,7 +266,7 @@ class FixedLossScale(LossScale):
   loss_scale_value: float
 
   def __post_init__(self):
-    value = _check_real("loss_scale_value", self.loss_scale_value)
+    value = check_real("loss_scale_value", self.loss_scale_value)
     if value < 1:
       raise ValueError(f"`loss_scale_value` must be >= 1, got {self.loss_scale_value!r}.")
     object.__setattr__(self, "loss_scale_value", value)
@@ -339,24 +339,24 @@ class DynamicLossScale(LossScale):
 
   def __post_init__(self):
     setattr_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-    initial = _check_real("initial_loss_scale", self.initial_loss_scale)
+    initial = check_real("initial_loss_scale", self.initial_loss_scale)
     if initial <= 0:
       raise ValueError(f"`initial_loss_scale` must be positive, got {self.initial_loss_scale!r}.")
-    period = _check_int("increment_period", self.increment_period, 1)
-    multiplier = _check_real("multiplier", self.multiplier)
+    period = check_int("increment_period", self.increment_period, 1)
+    multiplier = check_real("multiplier", self.multiplier)
     if multiplier <= 1:
       raise ValueError(f"`multiplier` must be > 1, got {self.multiplier!r}.")
     backoff = self.backoff_factor
     if backoff is not None:
-      backoff = _check_real("backoff_factor", backoff)
+      backoff = check_real("backoff_factor", backoff)
       if not 0 < backoff < 1:
         raise ValueError(f"`backoff_factor` must be in (0, 1), got {self.backoff_factor!r}.")
-    minimum = _check_real("min_loss_scale", self.min_loss_scale)
+    minimum = check_real("min_loss_scale", self.min_loss_scale)
     if minimum < 0:
       raise ValueError(f"`min_loss_scale` must be >= 0, got {self.min_loss_scale!r}.")
     maximum = self.max_loss_scale
     if maximum is not None:
-      maximum = _check_real("max_loss_scale", maximum)
+      maximum = check_real("max_loss_scale", maximum)
       if maximum < minimum:
         raise ValueError(
             f"`max_loss_scale` ({self.max_loss_scale!r}) must be >= `min_loss_scale` "
@@ -367,7 +367,7 @@ class DynamicLossScale(LossScale):
           f"`initial_loss_scale` must lie in [min_loss_scale, max_loss_scale] = "
           f"[{minimum!r}, {maximum!r}], got {self.initial_loss_scale!r}."
       )
-    hysteresis = _check_int("hysteresis", self.hysteresis, 1)
+    hysteresis = check_int("hysteresis", self.hysteresis, 1)
     if not isinstance(self.consecutive_hysteresis, bool):
       raise ValueError(
           f"`consecutive_hysteresis` must be a bool, got {self.consecutive_hysteresis!r}."

@@ -1,0 +1,156 @@
+"""TensorFlow contrib's loss-scale managers (`tf.contrib.mixed_precision`).
+
+`get_loss_scale()` and `update_loss_scale(finite_grads)` as in TensorFlow 1.x, except
+that `update_loss_scale` returns the new manager (state is immutable here) instead of
+an op. Managers are also `LossScale`s, so they work wherever a loss scale does,
+including `loss_scaling`; as in contrib's `LossScaleOptimizer`, a manager applies a
+step only when its gradients are finite.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale import _loss_scale
+from jax_lossscale import _serialization
+
+
+class LossScaleManager(_loss_scale.LossScale):
+  """Base class of TensorFlow contrib's loss-scale managers."""
+
+  def get_loss_scale(self) -> jax.Array:
+    """Returns the loss scale as a float32 scalar array."""
+    return self()
+
+  @abc.abstractmethod
+  def update_loss_scale(self, finite_grads: Any) -> LossScaleManager:
+    """Returns the manager updated for one step.
+
+    Args:
+      finite_grads: boolean scalar (array or Python bool): whether all gradients of
+        the step were finite.
+    """
+
+  def adjust(self, grads_finite: Any) -> tuple[LossScaleManager, jax.Array]:
+    finite = jnp.asarray(grads_finite, jnp.bool_)
+    return self.update_loss_scale(finite), finite
+
+
+@_serialization.register
+@_loss_scale.loss_scale_dataclass
+class FixedLossScaleManager(LossScaleManager):
+  """A manager whose loss scale never changes.
+
+  Args:
+    loss_scale: a real number >= 1.
+
+  Raises:
+    ValueError: if `loss_scale` is not a finite real number >= 1.
+  """
+
+  loss_scale_value: float
+
+  def __init__(self, loss_scale: float):
+    value = _loss_scale.check_real("loss_scale", loss_scale)
+    if value < 1:
+      raise ValueError(f"`loss_scale` must be >= 1, got {loss_scale!r}.")
+    object.__setattr__(self, "loss_scale_value", value)
+
+  def __call__(self) -> jax.Array:
+    return jnp.asarray(self.loss_scale_value, jnp.float32)
+
+  def update_loss_scale(self, finite_grads: Any) -> FixedLossScaleManager:
+    del finite_grads
+    return self
+
+  def get_config(self) -> dict[str, Any]:
+    return {"loss_scale": self.loss_scale_value}
+
+
+@_serialization.register
+@_loss_scale.loss_scale_dataclass
+class ExponentialUpdateLossScaleManager(LossScaleManager):
+  """A manager that grows the scale after good runs and shrinks it after overflows.
+
+  Exactly contrib's algorithm:
+
+  * finite step: if this makes `incr_every_n_steps` finite steps in a row, the
+    scale is multiplied by `incr_ratio` (kept only if the result is finite) and both
+    counts reset; otherwise the good-step count grows by one.
+  * non-finite step: if this makes `decr_every_n_nan_or_inf` non-finite steps since
+    the last change (not necessarily in a row), the scale becomes
+    `max(scale * decr_ratio, 1)` and both counts reset; otherwise the bad-step count
+    grows by one and the good-step count resets.
+
+  Args:
+    init_loss_scale: the first scale, a finite real number >= 1.
+    incr_every_n_steps: finite steps in a row needed to grow (>= 1).
+    decr_every_n_nan_or_inf: non-finite steps needed to shrink (>= 1).
+    incr_ratio: growth factor (> 1).
+    decr_ratio: shrink factor in (0, 1).
+    current_loss_scale, num_good_steps, num_bad_steps: the state (float32, int32,
+      int32 scalars); leave them out to start fresh.
+
+  Raises:
+    ValueError: naming the argument, for a value outside the ranges above.
+  """
+
+  init_loss_scale: float
+  incr_every_n_steps: int
+  decr_every_n_nan_or_inf: int = 2
+  incr_ratio: float = 2.0
+  decr_ratio: float = 0.8
+  current_loss_scale: jax.Array = _loss_scale.state_field()
+  num_good_steps: jax.Array = _loss_scale.state_field()
+  num_bad_steps: jax.Array = _loss_scale.state_field()
+
+  def __post_init__(self):
+    init = _loss_scale.check_real("init_loss_scale", self.init_loss_scale)
+    if init < 1:
+      raise ValueError(f"`init_loss_scale` must be >= 1, got {self.init_loss_scale!r}.")
+    incr_every = _loss_scale.check_int("incr_every_n_steps", self.incr_every_n_steps, 1)
+    decr_every = _loss_scale.check_int(
+        "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1
+    )
+    incr_ratio = _loss_scale.check_real("incr_ratio", self.incr_ratio)
+    if incr_ratio <= 1:
+      raise ValueError(f"`incr_ratio` must be > 1, got {self.incr_ratio!r}.")
+    decr_ratio = _loss_scale.check_real("decr_ratio", self.decr_ratio)
+    if not 0 < decr_ratio < 1:
+      raise ValueError(f"`decr_ratio` must be in (0, 1), got {self.decr_ratio!r}.")
+    for name, value in [("init_loss_scale", init), ("incr_every_n_steps", incr_every),
+                        ("decr_every_n_nan_or_inf", decr_every), ("incr_ratio", incr_ratio),
+                        ("decr_ratio", decr_ratio)]:
+      object.__setattr__(self, name, value)
+    for name, value, dtype in [("current_loss_scale", init, np.float32),
+                               ("num_good_steps", 0, np.int32), ("num_bad_steps", 0, np.int32)]:
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, np.asarray(value, dtype))
+
+  def __call__(self) -> jax.Array:
+    return jnp.asarray(self.current_loss_scale, jnp.float32)
+
+  def update_loss_scale(self, finite_grads: Any) -> ExponentialUpdateLossScaleManager:
+    finite = jnp.asarray(finite_grads, jnp.bool_)
+    scale = self()
+    good = jnp.asarray(self.num_good_steps, jnp.int32)
+    bad = jnp.asarray(self.num_bad_steps, jnp.int32)
+
+    increase = finite & (good + 1 >= self.incr_every_n_steps)
+    decrease = ~finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
+    grown = scale * self.incr_ratio
+    grown = jnp.where(jnp.isfinite(grown), grown, scale)
+    shrunk = jnp.maximum(scale * self.decr_ratio, 1.0)
+    changed = increase | decrease
+    return dataclasses.replace(
+        self,
+        current_loss_scale=jnp.where(increase, grown, jnp.where(decrease, shrunk, scale)),
+        num_good_steps=jnp.where(finite & ~changed, good + 1, 0).astype(jnp.int32),
+        num_bad_steps=jnp.where(changed, 0, jnp.where(finite, bad, bad + 1)).astype(jnp.int32),
+    )
