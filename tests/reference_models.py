@@ -80,7 +80,8 @@ class PyTorch:
                growth_interval=2000, flush_subnormals=False):
     self.round = xla_f32 if flush_subnormals else f32
     self.scale, self.tracker = f32(init_scale), 0
-    self.growth, self.backoff, self.interval = f32(growth_factor), f32(backoff_factor), growth_interval
+    self.growth, self.backoff = f32(growth_factor), f32(backoff_factor)
+    self.interval = growth_interval
 
   def step(self, finite):
     if not finite:
@@ -209,9 +210,10 @@ class Flax:
   """flax `DynamicScale.value_and_grad`: grows when `fin_steps == growth_interval`."""
 
   def __init__(self, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-               scale=65536.0, minimum_scale=float(np.finfo(np.float32).tiny)):
+               scale=65536.0, minimum_scale=float(_TINY)):
     self.scale, self.fin_steps = f32(scale), 0
-    self.growth, self.backoff, self.interval = f32(growth_factor), f32(backoff_factor), growth_interval
+    self.growth, self.backoff = f32(growth_factor), f32(backoff_factor)
+    self.interval = growth_interval
     self.minimum = minimum_scale
 
   def step(self, finite):
