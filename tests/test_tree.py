@@ -16,6 +16,21 @@ def test_all_finite_is_false_for_a_single_bad_element(dtype, maybe_jit):
   assert not bool(maybe_jit(jls.all_finite)(tree))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_all_finite_finds_a_bad_value_among_huge_finite_ones(dtype, bad):
+  big = jnp.finfo(jnp.float16 if dtype == jnp.complex64 else dtype).max
+  tree = [jnp.full((3, 5), big, dtype), jnp.full((3,), -big, dtype)]
+  assert bool(jls.all_finite(tree))
+  tree[1] = tree[1].at[0].set(bad)
+  assert not bool(jls.all_finite(tree))
+
+
+def test_all_finite_ignores_zero_size_leaves():
+  assert bool(jls.all_finite({"empty": jnp.zeros((0, 3)), "w": jnp.ones(2)}))
+  assert not bool(jls.all_finite({"empty": jnp.zeros((0,)), "w": jnp.array([jnp.nan])}))
+
+
 def test_all_finite_ignores_integer_and_non_array_leaves():
   tree = {"i": jnp.array([2**31 - 1]), "b": jnp.array(True), "s": "name", "f": len}
   assert bool(jls.all_finite(tree))

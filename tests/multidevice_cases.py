@@ -1,0 +1,167 @@
+"""Cases that need 8 devices; `test_distributed.py` runs this file in a subprocess
+with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (never set globally)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_lossscale as jls
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices")
+
+
+@pytest.fixture(params=["auto", "explicit"])
+def mesh(request):
+  """Both sharding modes: classic (Auto axes) and explicit sharding under `set_mesh`."""
+  if request.param == "auto":
+    yield jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  else:
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+      yield mesh
+
+
+def loss_fn(params, x):
+  return jnp.mean((x @ params["w"] + params["b"]) ** 2)
+
+
+def sharded_params(mesh):
+  return {
+      "w": jax.device_put(jnp.linspace(-1, 1, 64).reshape(16, 4), NamedSharding(mesh, P("data"))),
+      "b": jax.device_put(jnp.zeros(4), NamedSharding(mesh, P())),
+  }
+
+
+def test_spmd_jit_inf_in_one_shard_makes_every_device_skip(mesh):
+  params = sharded_params(mesh)
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0))
+  state = jax.jit(tx.init)(params)
+  grads = jax.device_put(jnp.ones((16, 4)).at[11, 2].set(jnp.inf), params["w"].sharding)
+  grads = {"w": grads, "b": jax.device_put(jnp.ones(4), params["b"].sharding)}
+  # Exactly one device holds the inf.
+  assert sum(not np.isfinite(s.data).all() for s in grads["w"].addressable_shards) == 1
+
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+
+  for shard in updates["w"].addressable_shards + updates["b"].addressable_shards:
+    assert (np.asarray(shard.data) == 0).all()
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert float(new_state.loss_scale()) == 4.0 and int(new_state.skipped_steps) == 1
+
+
+def test_state_sharding_scalars_replicated_inner_state_like_params(mesh):
+  params = sharded_params(mesh)
+  tx = jls.loss_scaling(optax.adam(1e-2))
+  state = jax.jit(tx.init)(params)
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+
+  @jax.jit
+  def step(params, state, x):
+    _, grads = jls.scaled_value_and_grad(loss_fn)(state, params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = step(params, state, x)
+  for leaf in jax.tree.leaves(state.loss_scale) + [state.skipped_steps, state.last_applied]:
+    assert leaf.sharding.is_fully_replicated
+  mu = state.inner_state[0].mu
+  assert mu["w"].sharding.is_equivalent_to(params["w"].sharding, 2)
+  assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+def test_init_works_on_abstract_parameters():
+  abstract = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(2.0**10))
+  state = jax.eval_shape(tx.init, abstract)
+  assert state.loss_scale.current_loss_scale.dtype == jnp.float32
+  assert state.inner_state[0].mu["w"].shape == (1024, 1024)
+  assert state.loss_scale.get_config()["initial_loss_scale"] == 2.0**10
+
+
+def shard_map_update(tx, mesh, state_specs):
+  return jax.jit(jax.shard_map(
+      lambda g, s, p: tx.update(g, s, p), mesh=mesh,
+      in_specs=(P("data"), state_specs, P("data")), out_specs=(P("data"), state_specs),
+  ))
+
+
+def per_device_case(mesh):
+  """Parameters sharded over devices (ZeRO/FSDP style): each device updates its own
+  shard with its own gradients, and device 5 alone sees an inf."""
+  params = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
+  grads = jax.device_put(jnp.ones((8, 3)).at[5, 0].set(jnp.inf), NamedSharding(mesh, P("data")))
+  return params, grads
+
+
+def state_specs(inner_spec):
+  return jls.LossScalingState(P(), inner_spec, P(), P(), P(), P())
+
+
+@pytest.mark.parametrize("axis_name", ["data", ("data",)])
+def test_shard_map_axis_name_makes_every_device_agree_to_skip(mesh, axis_name):
+  params, grads = per_device_case(mesh)
+  tx = jls.loss_scaling(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(8.0),
+                        axis_name=axis_name)
+  state = tx.init(params)
+  update = shard_map_update(tx, mesh, state_specs(P("data")))
+  updates, new_state = update(grads, state, params)
+  chex.assert_trees_all_equal(updates, jnp.zeros((8, 3)))
+  assert float(new_state.loss_scale()) == 4.0
+  # The next, clean step applies everywhere with the agreed scale.
+  clean = jax.device_put(jnp.ones((8, 3)), params.sharding)
+  updates, new_state = update(clean, new_state, params)
+  assert (np.asarray(updates) != 0).all() and int(new_state.skipped_steps) == 1
+
+
+def test_without_axis_name_shard_map_replicas_would_diverge(mesh):
+  # Why `axis_name` exists: each device decides alone, and only device 5 skips.
+  params, grads = per_device_case(mesh)
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
+  state = tx.init(params)
+  per_device = jax.jit(jax.shard_map(
+      lambda g, s, p: tx.update(g, s, p)[1].loss_scale()[None], mesh=mesh,
+      in_specs=(P("data"), state_specs(P("data")), P("data")), out_specs=P("data"),
+      check_vma=False,
+  ))
+  scales = np.asarray(per_device(grads, state, params))
+  assert list(scales) == [8, 8, 8, 8, 8, 4, 8, 8]
+
+
+def test_pmap_axis_name_makes_every_replica_agree():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0), axis_name="batch")
+  params = jnp.ones((8, 3))
+  state = jax.pmap(tx.init)(params)
+  grads = jnp.ones((8, 3)).at[2, 1].set(jnp.nan)
+  updates, new_state = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name="batch")(
+      grads, state, params)
+  chex.assert_trees_all_equal(updates, jnp.zeros((8, 3)))
+  assert list(np.asarray(new_state.loss_scale())) == [4.0] * 8
+
+
+def test_loss_scale_update_and_all_finite_take_axis_name(mesh):
+  grads = jax.device_put(jnp.ones(8).at[3].set(jnp.inf), NamedSharding(mesh, P("data")))
+
+  def per_device(g):
+    finite = jls.all_finite(g, axis_name="data")
+    loss_scale, should_apply = jls.DynamicLossScale(16.0).update(g, axis_name="data")
+    return finite[None], should_apply[None], loss_scale()[None]
+
+  finite, apply, scale = jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(grads)
+  assert not np.asarray(finite).any() and not np.asarray(apply).any()
+  assert (np.asarray(scale) == 8.0).all()
+
+
+def test_finiteness_is_agreed_with_one_scalar_collective(mesh):
+  params, grads = per_device_case(mesh)
+  tx = jls.loss_scaling(optax.sgd(0.1), axis_name="data")
+  state = tx.init(params)
+  update = shard_map_update(tx, mesh, state_specs(P("data")))
+  hlo = update.lower(grads, state, params).as_text()
+  reductions = [line for line in hlo.splitlines() if "all_reduce" in line or "all-reduce" in line]
+  assert len([r for r in reductions if "=" in r]) == 1, reductions
