@@ -1,6 +1,11 @@
 """jax_lossscale: loss scaling for mixed-precision training in JAX and optax."""
 
 from jax_lossscale import presets
+from jax_lossscale._diagnostics import LossScaleAdvice
+from jax_lossscale._diagnostics import gradient_stats
+from jax_lossscale._diagnostics import nonfinite_leaf_paths
+from jax_lossscale._diagnostics import nonfinite_leaves
+from jax_lossscale._diagnostics import recommend_loss_scale
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
@@ -29,6 +34,7 @@ __all__ = (
     "FixedLossScale",
     "FixedLossScaleManager",
     "LossScale",
+    "LossScaleAdvice",
     "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
@@ -37,10 +43,14 @@ __all__ = (
     "deserialize",
     "get",
     "get_loss_scale",
+    "gradient_stats",
     "loss_scaling",
     "metrics",
+    "nonfinite_leaf_paths",
+    "nonfinite_leaves",
     "presets",
     "raise_if_stuck",
+    "recommend_loss_scale",
     "scaled_value_and_grad",
     "select_tree",
     "serialize",

@@ -295,6 +295,6 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
       f"Training is stuck: the last {consecutive} steps were all skipped "
       f"(max_consecutive_skips={max_consecutive_skips}). Current loss scale {scale:g}"
       + (f", already at its minimum {floor:g}" if at_floor else "")
-      + f". Likely cause: {cause}. Use jax_lossscale.nonfinite_leaf_paths on the "
-      "gradients to find where."
+      + f". Likely cause: {cause}. To find where: "
+      "jax_lossscale.nonfinite_leaf_paths(jax_lossscale.nonfinite_leaves(grads))."
   )

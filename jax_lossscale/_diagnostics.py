@@ -1,0 +1,189 @@
+"""Why a step was skipped, and what scale a gradient distribution needs.
+
+Three failure modes look alike from the outside ("loss scale already at minimum"):
+
+* a forward pass that produces inf/NaN by itself (no scale can fix it): pass the
+  loss to `loss_scaling`'s update as `loss=` and watch `nonfinite_loss_steps`;
+* one part of the model whose gradients explode: `nonfinite_leaves` inside the step
+  and `nonfinite_leaf_paths` on the host name the parameters;
+* a scale far too small, silently flushing gradients to zero: `gradient_stats`
+  measures underflow and headroom, `recommend_loss_scale` turns that into a scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale import _tree
+
+
+def nonfinite_leaves(tree: Any) -> Any:
+  """Per leaf, whether it holds an inf or NaN: a tree of boolean scalars.
+
+  Jittable and cheap (one reduction per leaf); meant to be switched on while
+  debugging, e.g. returned as an aux output of the training step. Non-floating
+  leaves give False; `None` leaves stay `None`.
+  """
+  return jax.tree.map(
+      lambda x: ~_tree.local_all_finite(x) if _tree.is_float_array(x) else jnp.array(False),
+      tree,
+  )
+
+
+def nonfinite_leaf_paths(flags: Any) -> list[str]:
+  """Host side: the paths of the flagged leaves, as `"params/layer_3/kernel"` strings.
+
+  Args:
+    flags: the output of `nonfinite_leaves` (fetched from the device or not).
+
+  Returns:
+    The paths in tree order; empty when everything is finite.
+
+  Raises:
+    ValueError: if a leaf is not a boolean flag.
+  """
+  for leaf in jax.tree.leaves(flags):
+    if jnp.result_type(leaf) != jnp.bool_:
+      raise ValueError(
+          "nonfinite_leaf_paths expects the boolean flags from nonfinite_leaves(grads), "
+          f"got a leaf of dtype {jnp.result_type(leaf)}."
+      )
+  return [
+      _path_string(path)
+      for path, flag in jax.tree_util.tree_leaves_with_path(flags)
+      if bool(flag)
+  ]
+
+
+def _path_string(path) -> str:
+  parts = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts.append(str(key.key))
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      parts.append(key.name)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(key.key))
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) -> dict:
+  """What casting `grads * loss_scale` to `dtype` would do to the non-zero values.
+
+  Jittable. Values are scaled in float32 (float64 for float64 leaves) and really
+  cast, so rounding at each boundary is exactly that of `dtype`. (XLA flushes
+  float32 subnormals to zero, so inputs below 2**-126 count as zero, and bfloat16,
+  which shares float32's exponent range, never shows a subnormal here.)
+
+  Args:
+    grads: float32 (or unscaled) gradients; inf/NaN values are left out.
+    dtype: the target dtype: float16 (default), bfloat16, or a float8 type such as
+      `jnp.float8_e4m3fn` / `jnp.float8_e5m2`.
+    loss_scale: the scale to try (a number or scalar array).
+
+  Returns:
+    A dict of scalar arrays: `nonzero` (count of finite non-zero values),
+    `underflow_fraction` (of those, the fraction that would become 0),
+    `subnormal_fraction` (would land in the subnormal range), `overflow_fraction`
+    (would become inf or NaN), `max_abs` and `min_abs` (largest and smallest
+    non-zero finite magnitudes of `grads`, before scaling; 0 if there are none).
+  """
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"gradient_stats: `dtype` must be a floating dtype, got {dtype}.")
+  smallest_normal = float(jnp.finfo(dtype).smallest_normal)
+  counts = {"nonzero": 0, "underflow": 0, "subnormal": 0, "overflow": 0}
+  max_abs, min_abs = jnp.float32(0), jnp.float32(jnp.inf)
+  for x in _tree.float_leaves(grads):
+    x = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+    live = jnp.isfinite(x) & (x > 0)
+    cast = (x * jnp.asarray(loss_scale, x.dtype)).astype(dtype).astype(x.dtype)
+    counts["nonzero"] += jnp.sum(live, dtype=jnp.int32)
+    counts["underflow"] += jnp.sum(live & (cast == 0), dtype=jnp.int32)
+    counts["subnormal"] += jnp.sum(live & (cast > 0) & (cast < smallest_normal), dtype=jnp.int32)
+    counts["overflow"] += jnp.sum(live & ~jnp.isfinite(cast), dtype=jnp.int32)
+    max_abs = jnp.maximum(max_abs, jnp.max(jnp.where(live, x, 0), initial=0).astype(jnp.float32))
+    min_abs = jnp.minimum(
+        min_abs, jnp.min(jnp.where(live, x, jnp.inf), initial=jnp.inf).astype(jnp.float32))
+  nonzero = jnp.asarray(counts["nonzero"], jnp.int32)
+  denominator = jnp.maximum(nonzero, 1).astype(jnp.float32)
+  return {
+      "nonzero": nonzero,
+      "underflow_fraction": counts["underflow"] / denominator,
+      "subnormal_fraction": counts["subnormal"] / denominator,
+      "overflow_fraction": counts["overflow"] / denominator,
+      "max_abs": max_abs,
+      "min_abs": jnp.where(nonzero > 0, min_abs, 0.0),
+  }
+
+
+class LossScaleAdvice(NamedTuple):
+  """The result of `recommend_loss_scale`.
+
+  Attributes:
+    max_scale: the largest power of two that overflows nothing.
+    min_scale: the smallest power of two at which nothing underflows to zero; above
+      `max_scale` when the gradients span more than `dtype` can hold.
+    recommended: a power of two in `[1, max_scale]` for `FixedLossScale`:
+      `max_scale / headroom`, raised towards `min_scale` where the range allows.
+    underflow_fraction: the fraction of non-zero values lost to zero at
+      `recommended`.
+    overflow_fraction: the fraction that overflows at `recommended`.
+  """
+
+  max_scale: float
+  min_scale: float
+  recommended: float
+  underflow_fraction: float
+  overflow_fraction: float
+
+
+def recommend_loss_scale(
+    grads: Any, dtype: Any = jnp.float16, headroom: float = 8.0
+) -> LossScaleAdvice:
+  """Host side: which power-of-two scales suit these (unscaled, float32) gradients.
+
+  Args:
+    grads: representative float32 gradients (e.g. from a float32 step).
+    dtype: the low-precision dtype the gradients will be computed in.
+    headroom: a safety margin for gradients that grow later in training; the
+      recommendation stays this factor below the overflow limit when it can.
+
+  Returns:
+    A `LossScaleAdvice`.
+
+  Raises:
+    ValueError: if `headroom` < 1 or the gradients have no finite non-zero value.
+  """
+  if not headroom >= 1:
+    raise ValueError(f"recommend_loss_scale: `headroom` must be >= 1, got {headroom!r}.")
+  stats = jax.device_get(gradient_stats(grads, dtype))
+  if int(stats["nonzero"]) == 0:
+    raise ValueError("recommend_loss_scale: the gradients have no finite non-zero value.")
+  finfo = jnp.finfo(dtype)
+  max_scale = _power_of_two_at_most(float(finfo.max) / float(stats["max_abs"]))
+  min_scale = _power_of_two_at_least(float(finfo.smallest_subnormal) / float(stats["min_abs"]))
+  recommended = max(min(max_scale / headroom, max_scale), min(min_scale, max_scale), 1.0)
+  at = jax.device_get(gradient_stats(grads, dtype, recommended))
+  return LossScaleAdvice(max_scale, min_scale, recommended,
+                         float(at["underflow_fraction"]), float(at["overflow_fraction"]))
+
+
+def _power_of_two_at_most(x: float) -> float:
+  mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+  return math.ldexp(1.0, exponent - 1)
+
+
+def _power_of_two_at_least(x: float) -> float:
+  mantissa, exponent = math.frexp(x)
+  return math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+

@@ -1,0 +1,184 @@
+"""Specification of the diagnostics: forward NaNs, overflow sources, underflow, advice."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+# float16 landmarks: smallest subnormal 2**-24, smallest normal 2**-14, largest 65504.
+SUB, NORMAL, MAX = 2.0**-24, 2.0**-14, 65504.0
+
+
+# --- a non-finite loss is not an overflow --------------------------------------------
+
+
+def test_nonfinite_loss_skips_without_backing_off():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  nan_grads = {"w": jnp.full(2, jnp.nan)}
+  updates, state = jax.jit(tx.update)(nan_grads, state, params, loss=jnp.array(jnp.nan))
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
+  assert float(state.loss_scale()) == 64.0
+  assert int(state.nonfinite_loss_steps) == 1 and int(state.skipped_steps) == 1
+  # The same gradients without a loss are an overflow: the scale backs off.
+  _, state = tx.update(nan_grads, state, params)
+  assert float(state.loss_scale()) == 32.0 and int(state.nonfinite_loss_steps) == 1
+
+
+def test_finite_loss_changes_nothing():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0, increment_period=1))
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.full(2, 64.0)}
+  with_loss = tx.update(grads, tx.init(params), params, loss=jnp.array(1.5))
+  without = tx.update(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(with_loss, without)
+
+
+def test_finite_loss_with_overflowing_gradients_backs_off():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0))
+  params = {"w": jnp.ones(2)}
+  _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params,
+                       loss=jnp.array(0.3))
+  assert float(state.loss_scale()) == 32.0 and int(state.nonfinite_loss_steps) == 0
+
+
+def test_stuck_message_blames_the_forward_pass_when_the_loss_is_nan():
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params, loss=jnp.array(jnp.nan))
+  with pytest.raises(jls.LossScaleStuckError, match="loss itself is inf/NaN"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3)
+
+
+# --- where did it overflow? ----------------------------------------------------------
+
+
+def test_nonfinite_leaves_flags_exactly_the_bad_leaves(maybe_jit):
+  grads = {"params": {"decoder": {"layer_3": {"mlp": {"kernel": jnp.ones((2, 2)).at[1, 1].set(
+      jnp.inf), "bias": jnp.ones(2)}}, "embed": jnp.array([jnp.nan])}}, "step": jnp.array(3)}
+  flags = maybe_jit(jls.nonfinite_leaves)(grads)
+  assert jax.tree.structure(flags) == jax.tree.structure(grads)
+  assert all(f.dtype == jnp.bool_ and f.shape == () for f in jax.tree.leaves(flags))
+  assert bool(flags["params"]["decoder"]["layer_3"]["mlp"]["kernel"])
+  assert not bool(flags["params"]["decoder"]["layer_3"]["mlp"]["bias"])
+  assert not bool(flags["step"])
+  assert jls.nonfinite_leaf_paths(flags) == ["params/decoder/embed",
+                                             "params/decoder/layer_3/mlp/kernel"]
+
+
+def test_nonfinite_leaf_paths_of_lists_and_dataclasses():
+  tree = [jnp.ones(1), {"w": jnp.array([jnp.nan])}, jls.DynamicLossScale()]
+  assert jls.nonfinite_leaf_paths(jls.nonfinite_leaves(tree)) == ["1/w"]
+  assert jls.nonfinite_leaf_paths(jls.nonfinite_leaves({"a": jnp.ones(3), "b": None})) == []
+
+
+def test_nonfinite_leaf_paths_needs_the_flags():
+  with pytest.raises(ValueError, match="boolean flags"):
+    jls.nonfinite_leaf_paths({"w": jnp.ones(2)})
+
+
+# --- underflow and headroom ----------------------------------------------------------
+
+
+def landmark_grads():
+  # Each value chosen against float16's boundaries (in float32, unscaled).
+  return {
+      "underflow": jnp.array([2.0**-25, 2.0**-26, 1e-12], jnp.float32),  # all round to 0
+      # 1.5 * 2**-25 rounds up to 2**-24; NORMAL - SUB is the largest subnormal.
+      "subnormal": jnp.array([SUB, 1.5 * 2.0**-25, NORMAL - SUB], jnp.float32),
+      "normal": jnp.array([NORMAL, 1.0, MAX, 65519.0], jnp.float32),  # 65519 rounds to 65504
+      "overflow": jnp.array([65520.0, 1e6], jnp.float32),
+      "ignored": jnp.array([0.0, jnp.inf, jnp.nan, -0.0], jnp.float32),
+  }
+
+
+def test_gradient_stats_counts_each_float16_boundary_exactly(maybe_jit):
+  stats = maybe_jit(jls.gradient_stats)(landmark_grads())
+  assert int(stats["nonzero"]) == 12
+  assert float(stats["underflow_fraction"]) == pytest.approx(3 / 12)
+  assert float(stats["subnormal_fraction"]) == pytest.approx(3 / 12)
+  assert float(stats["overflow_fraction"]) == pytest.approx(2 / 12)
+  assert float(stats["max_abs"]) == 1e6
+  assert float(stats["min_abs"]) == np.float32(1e-12)
+
+
+def test_gradient_stats_with_a_scale_shifts_the_boundaries():
+  grads = {"g": jnp.array([2.0**-25, 2.0**-20, 2.0**10], jnp.float32)}
+  stats = jls.gradient_stats(grads, loss_scale=2.0**6)  # → 2**-19, 2**-14, 2**16
+  assert float(stats["underflow_fraction"]) == 0
+  assert float(stats["subnormal_fraction"]) == pytest.approx(1 / 3)
+  assert float(stats["overflow_fraction"]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    "dtype, value, expected",
+    [
+        # bfloat16 has float32's exponent range: its subnormals are float32 subnormals,
+        # which XLA flushes to zero, so only its overflow edge is reachable here.
+        (jnp.bfloat16, float(np.finfo(np.float32).max), "overflow"),
+        (jnp.float8_e4m3fn, 500.0, "overflow"),  # largest e4m3fn is 448; no inf, NaN
+        (jnp.float8_e4m3fn, 2.0**-9, "subnormal"),
+        (jnp.float8_e4m3fn, 2.0**-11, "underflow"),
+        (jnp.float8_e5m2, 2.0**-16, "subnormal"),
+        (jnp.float8_e5m2, 70000.0, "overflow"),
+    ],
+)
+def test_gradient_stats_for_other_dtypes(dtype, value, expected):
+  stats = jls.gradient_stats({"g": jnp.array([value], jnp.float32)}, dtype=dtype)
+  assert float(stats[f"{expected}_fraction"]) == 1.0, stats
+
+
+def test_gradient_stats_of_an_empty_tree_is_zero():
+  stats = jls.gradient_stats({})
+  assert int(stats["nonzero"]) == 0 and float(stats["underflow_fraction"]) == 0
+  assert float(stats["min_abs"]) == 0 and float(stats["max_abs"]) == 0
+
+
+def test_gradient_stats_rejects_integer_dtypes():
+  with pytest.raises(ValueError, match="`dtype` must be a floating dtype"):
+    jls.gradient_stats({"g": jnp.ones(2)}, dtype=jnp.int8)
+
+
+# --- scale advisor -------------------------------------------------------------------
+
+
+def test_advisor_finds_the_power_of_two_range_and_keeps_headroom():
+  grads = {"g": jnp.array([2.0**-30, 2.0**-10, 4.0], jnp.float32)}
+  advice = jls.recommend_loss_scale(grads)
+  assert advice.max_scale == 2.0**13  # 4 * 2**13 = 32768 fits, 4 * 2**14 = 65536 does not
+  assert advice.min_scale == 2.0**6  # 2**-30 * 2**6 = 2**-24, the smallest subnormal
+  assert advice.recommended == 2.0**10  # max_scale / headroom 8
+  assert advice.underflow_fraction == 0 and advice.overflow_fraction == 0
+
+
+def test_advisor_when_the_range_is_empty_prefers_no_overflow():
+  grads = {"g": jnp.array([2.0**-40, 1.0], jnp.float32)}
+  advice = jls.recommend_loss_scale(grads)
+  assert advice.min_scale > advice.max_scale
+  assert advice.recommended == advice.max_scale == 2.0**15
+  assert advice.overflow_fraction == 0 and advice.underflow_fraction == 0.5
+
+
+def test_advisor_recommendation_is_a_valid_fixed_loss_scale():
+  grads = {"g": jnp.array([1e4, 1.0], jnp.float32)}  # max_scale 4, 4 / headroom 8 < 1
+  advice = jls.recommend_loss_scale(grads)
+  assert advice.max_scale == 4.0
+  assert advice.recommended == 1.0 and jls.FixedLossScale(advice.recommended)
+
+
+@pytest.mark.parametrize("headroom", [0.5, -1, float("nan")])
+def test_advisor_rejects_bad_headroom(headroom):
+  with pytest.raises(ValueError, match="headroom"):
+    jls.recommend_loss_scale({"g": jnp.ones(2)}, headroom=headroom)
+
+
+def test_advisor_needs_some_signal():
+  with pytest.raises(ValueError, match="no finite non-zero value"):
+    jls.recommend_loss_scale({"g": jnp.zeros(3)})
