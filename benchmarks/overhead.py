@@ -184,7 +184,8 @@ def main(argv=None) -> None:
   if args.clip:
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
   device = jax.devices()[0]
-  print(f"# {device.platform.upper()} {device.device_kind}, {platform.processor() or platform.machine()}, "
+  machine = platform.processor() or platform.machine()
+  print(f"# {device.platform.upper()} {device.device_kind}, {machine}, "
         f"jax {jax.__version__}, optax {optax.__version__}, inner="
         f"{'clip+adam' if args.clip else 'adam'}; ratios vs plain, same process, interleaved")
   header = f"{'params':>8s} {'leaves':>6s} {'variant':>16s} {'ms':>8s} {'time×':>6s} " \

@@ -80,6 +80,14 @@ def check_real(name: str, value: Any) -> float:
   return value
 
 
+def check_scale_at_least_one(name: str, value: Any) -> float:
+  """A fixed or initial loss scale: a finite real number >= 1 (TensorFlow's rule)."""
+  checked = check_real(name, value)
+  if checked < 1:
+    raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
+  return checked
+
+
 def check_int(name: str, value: Any, minimum: int) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
@@ -269,9 +277,7 @@ class FixedLossScale(LossScale):
   loss_scale_value: float
 
   def __post_init__(self):
-    value = check_real("loss_scale_value", self.loss_scale_value)
-    if value < 1:
-      raise ValueError(f"`loss_scale_value` must be >= 1, got {self.loss_scale_value!r}.")
+    value = check_scale_at_least_one("loss_scale_value", self.loss_scale_value)
     object.__setattr__(self, "loss_scale_value", value)
 
   def __call__(self) -> jax.Array:

@@ -57,9 +57,7 @@ class FixedLossScaleManager(LossScaleManager):
   loss_scale_value: float
 
   def __init__(self, loss_scale: float):
-    value = _loss_scale.check_real("loss_scale", loss_scale)
-    if value < 1:
-      raise ValueError(f"`loss_scale` must be >= 1, got {loss_scale!r}.")
+    value = _loss_scale.check_scale_at_least_one("loss_scale", loss_scale)
     object.__setattr__(self, "loss_scale_value", value)
 
   def __call__(self) -> jax.Array:
@@ -111,9 +109,7 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   num_bad_steps: jax.Array = _loss_scale.state_field()
 
   def __post_init__(self):
-    init = _loss_scale.check_real("init_loss_scale", self.init_loss_scale)
-    if init < 1:
-      raise ValueError(f"`init_loss_scale` must be >= 1, got {self.init_loss_scale!r}.")
+    init = _loss_scale.check_scale_at_least_one("init_loss_scale", self.init_loss_scale)
     incr_every = _loss_scale.check_int("incr_every_n_steps", self.incr_every_n_steps, 1)
     decr_every = _loss_scale.check_int(
         "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1
