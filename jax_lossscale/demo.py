@@ -137,7 +137,7 @@ def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossS
   if progress:
     from tqdm.auto import tqdm
 
-    steps = tqdm(steps, desc=f"{name:>28s}", unit="step", leave=True)
+    steps = tqdm(steps, desc=f"{name:>47s}", unit="step", leave=True)
   history = []
   for i in steps:
     params, opt_state, out = step(params, opt_state, *data.windows(starts[i]))
@@ -190,7 +190,10 @@ def run_all(config: Config, progress: bool = True) -> list[RunResult]:
       ("float32", jnp.float32, jls.NoOpLossScale()),
       ("float16, no loss scaling", jnp.float16, jls.NoOpLossScale()),
       (f"float16, FixedLossScale({fixed:g})", jnp.float16, jls.FixedLossScale(fixed)),
-      ("float16, DynamicLossScale", jnp.float16, jls.DynamicLossScale(increment_period=10)),
+      # A short growth period, so that the plot shows the scale growing, overflowing,
+      # skipping a step and backing off within the demo's 150 steps.
+      ("float16, DynamicLossScale(increment_period=10)", jnp.float16,
+       jls.DynamicLossScale(increment_period=10)),
   ]
   return [evaluate(train(name, data, config, dtype, ls, progress), data, config, dtype)
           for name, dtype, ls in plan]
@@ -198,12 +201,12 @@ def run_all(config: Config, progress: bool = True) -> list[RunResult]:
 
 def format_table(runs: Sequence[RunResult]) -> str:
   reference = runs[0].eval_loss
-  header = (f"{'run':<32s} {'eval loss':>9s} {'vs fp32':>8s} {'accuracy':>8s} "
+  header = (f"{'run':<47s} {'eval loss':>9s} {'vs fp32':>8s} {'accuracy':>8s} "
             f"{'skipped':>7s} {'final scale':>11s} {'logit grads lost to underflow':>29s}")
   lines = [header, "-" * len(header)]
   for r in runs:
     lines.append(
-        f"{r.name:<32s} {r.eval_loss:9.4f} {100 * (r.eval_loss / reference - 1):+7.2f}% "
+        f"{r.name:<47s} {r.eval_loss:9.4f} {100 * (r.eval_loss / reference - 1):+7.2f}% "
         f"{100 * r.accuracy:7.2f}% {int((~r.applied).sum()):7d} {r.scales[-1]:11g} "
         f"{100 * r.underflow:28.2f}%"
     )
