@@ -6,10 +6,11 @@ an optimizer state holding one round-trips through `flax.serialization.to_bytes`
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import numbers
 from typing import Any
+
+import jax
 
 from jax_lossscale import _loss_scale
 
@@ -83,11 +84,13 @@ def _register_with_flax(cls: type[_loss_scale.LossScale]) -> None:
     }
 
   def from_state_dict(target, state):
-    leaves = {
-        name: serialization.from_state_dict(getattr(target, name), state[name])
+    # Rebuilt through the pytree's own unflatten: no constructor is called, so
+    # classes with TensorFlow-style constructor arguments restore as well.
+    leaves = [
+        serialization.from_state_dict(getattr(target, name), state[name])
         for name in cls._state_names
-    }
-    return dataclasses.replace(target, **leaves)
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
 
   serialization.register_serialization_state(
       cls, to_state_dict, from_state_dict, override=True
