@@ -121,7 +121,7 @@ def loss_scaling(
     updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     if check_updates:
       should_apply = should_apply & _agree_finite(updates, None, axis_name)[0]
-    updates = jax.tree.map(lambda u: jnp.where(should_apply, u, jnp.zeros_like(u)), updates)
+    updates = _tree.zeros_unless(should_apply, updates)
     new_inner_state = _tree.select_tree(should_apply, new_inner_state, state.inner_state)
 
     new_state = LossScalingState(

@@ -21,9 +21,7 @@ AxisName = Hashable | Sequence[Hashable] | None
 
 def is_float_array(x: Any) -> bool:
   """Whether `x` is an array (concrete or traced) with a floating or complex dtype."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-      x.dtype, jnp.inexact
-  )
+  return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
@@ -92,6 +90,19 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   return finite
 
 
+def is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def zeros_unless(pred: jax.Array, tree: Any) -> Any:
+  """`tree` where `pred` holds, exact zeros (from `jnp.where`) where it does not.
+
+  Non-array leaves (static parts of equinox-style modules) pass through.
+  """
+  return jax.tree.map(
+      lambda x: jnp.where(pred, x, jnp.zeros_like(x)) if is_array(x) else x, tree)
+
+
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """Chooses `on_true` or `on_false` leaf by leaf on a scalar boolean `pred`.
 
@@ -117,7 +128,7 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   pred = pred.astype(jnp.bool_)
 
   def select(a, b):
-    if not isinstance(a, (jax.Array, np.ndarray, np.generic)):
+    if not is_array(a):
       return a
     if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
       raise TypeError(

@@ -298,6 +298,20 @@ def test_none_leaves_as_in_filtered_equinox_modules():
   chex.assert_trees_all_equal(updates["w"], jnp.full(3, -0.5))
 
 
+def test_non_array_leaves_pass_through_as_in_equinox_modules():
+  # An equinox module's tree holds static leaves (names, activation functions).
+  grads = {"w": jnp.full(2, 4.0), "name": "mlp", "activation": jax.nn.gelu}
+  tx = jls.loss_scaling(optax.identity(), jls.FixedLossScale(4))
+  state = tx.init(grads)
+  updates, state = tx.update(grads, state)
+  assert updates["name"] == "mlp" and updates["activation"] is jax.nn.gelu
+  chex.assert_trees_all_equal(updates["w"], jnp.ones(2))
+  bad = dict(grads, w=jnp.array([jnp.nan, 1.0]))
+  updates, state = tx.update(bad, state)
+  assert updates["name"] == "mlp" and int(state.skipped_steps) == 1
+  chex.assert_trees_all_equal(updates["w"], jnp.zeros(2))
+
+
 # --- jit, donation, tracing --------------------------------------------------------
 
 
