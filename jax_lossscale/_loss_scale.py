@@ -149,9 +149,9 @@ class LossScale(abc.ABC):
     The quotient is computed in float32 (or wider, for float64 leaves) and cast back
     to the leaf's dtype. `None` and non-floating leaves pass through untouched.
     """
-    # A true division, never a multiply by the reciprocal: XLA may reassociate a
-    # multiply with the backward pass's own scalar factors, and then the unscaled
-    # gradients would no longer equal those of an unscaled run bit for bit.
+    # A true division, never a multiply by the reciprocal: the compiler may contract
+    # such a multiply into the optimizer's fused multiply-adds, which round
+    # differently, and a scaled run would no longer equal an unscaled one bit for bit.
     factor = self()
     return _tree.map_float_leaves(lambda x: _divide(x, factor), tree)
 
