@@ -108,7 +108,10 @@ def loss_scaling(
   def update_fn(grads, state, params=None, *, loss=None, **extra_args):
     loss_scale_ = state.loss_scale
     grads = loss_scale_.unscale(grads)
-    grads_finite, loss_finite = _agree_finite(grads, loss, axis_name)
+    if loss is None:
+      (grads_finite,), loss_finite = _tree.agreed_all_finite([grads], axis_name), None
+    else:
+      grads_finite, loss_finite = _tree.agreed_all_finite([grads, loss], axis_name)
 
     new_loss_scale, should_apply = loss_scale_.adjust(grads_finite)
     if skip_nonfinite:
@@ -120,7 +123,7 @@ def loss_scaling(
 
     updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     if check_updates:
-      should_apply = should_apply & _agree_finite(updates, None, axis_name)[0]
+      should_apply = should_apply & _tree.all_finite(updates, axis_name)
     updates = _tree.zeros_unless(should_apply, updates)
     new_inner_state = _tree.select_tree(should_apply, new_inner_state, state.inner_state)
 
@@ -140,17 +143,6 @@ def loss_scaling(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _agree_finite(grads, loss, axis_name):
-  """Finiteness of grads (and loss, if given), agreed across `axis_name` at once."""
-  flags = [jnp.logical_not(_tree.local_all_finite(grads))]
-  if loss is not None:
-    flags.append(jnp.logical_not(_tree.local_all_finite(loss)))
-  counts = _tree.count_across(jnp.stack(flags).astype(jnp.int32), axis_name)
-  grads_finite = counts[0] == 0
-  loss_finite = None if loss is None else counts[1] == 0
-  return grads_finite, loss_finite
 
 
 def find_state(opt_state: Any) -> LossScalingState:

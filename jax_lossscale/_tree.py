@@ -83,11 +83,14 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Returns:
     A boolean scalar array.
   """
-  finite = local_all_finite(tree)
-  if _axis_tuple(axis_name):
-    nonfinite = count_across(jnp.logical_not(finite).astype(jnp.int32), axis_name)
-    finite = nonfinite == 0
-  return finite
+  return agreed_all_finite([tree], axis_name)[0]
+
+
+def agreed_all_finite(trees: Sequence[Any], axis_name: AxisName = None) -> list[jax.Array]:
+  """`all_finite` of each tree, agreed across `axis_name` with one collective for all."""
+  flags = jnp.stack([jnp.logical_not(local_all_finite(t)) for t in trees]).astype(jnp.int32)
+  counts = count_across(flags, axis_name)
+  return [counts[i] == 0 for i in range(len(trees))]
 
 
 def is_array(x: Any) -> bool:
