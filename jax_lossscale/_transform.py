@@ -42,6 +42,30 @@ class LossScalingState(NamedTuple):
   nonfinite_loss_steps: jax.Array
 
 
+class LossScalingTransformation(optax.GradientTransformationExtraArgs):
+  """What `loss_scaling` returns: an optax transformation with a fused step.
+
+  It is an `optax.GradientTransformationExtraArgs` (`init`, `update`) and composes
+  like one. `apply_gradients` also applies the updates, which lets a skipped step
+  leave parameters and optimizer state untouched without copying either.
+  """
+
+  def apply_gradients(self, grads, state, params, **extra_args):
+    """`update` followed by `optax.apply_updates`, fused.
+
+    Args:
+      grads: gradients of the scaled loss, as for `update`.
+      state: the `LossScalingState`.
+      params: the parameters to update.
+      **extra_args: as for `update`, including `loss=`.
+
+    Returns:
+      `(new_params, new_state)`: bit for bit what `update` and `optax.apply_updates`
+      give, in one pass over the parameters and the optimizer state.
+    """
+    return self._apply_gradients(grads, state, params, **extra_args)
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     # Loss scales are immutable, so a shared default instance is safe.
@@ -50,16 +74,17 @@ def loss_scaling(
     axis_name: _tree.AxisName = None,
     skip_nonfinite: bool = True,
     check_updates: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
   `update(grads, state, params=None, *, loss=None, **extra_args)` takes the
   gradients of the **scaled** loss (computed with `state.loss_scale`, e.g. by
-  `scaled_value_and_grad`). It divides them by that scale, checks once whether they
-  are finite, updates the loss scale, and runs `inner` on the unscaled gradients.
-  On a skipped step the updates are exactly zero (chosen with `jnp.where`) and
-  `inner_state` is returned unchanged, so moments are not poisoned and step counts
-  and schedules do not advance.
+  `scaled_value_and_grad`). It checks once whether they are finite once divided by
+  that scale, updates the loss scale, and runs `inner` on the unscaled gradients.
+  On a skipped step the updates are exactly zero and `inner_state` is returned
+  unchanged, so moments are not poisoned and step counts and schedules do not
+  advance. `apply_gradients(grads, state, params)` does the same and applies the
+  updates, in one pass (see `LossScalingTransformation`).
 
   A step is skipped when the loss scale says so (`should_apply` False) and, with
   `skip_nonfinite=True`, whenever the unscaled gradients are not finite, whatever
@@ -82,8 +107,8 @@ def loss_scaling(
       so it is off by default; the loss scale is not changed by such a step.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs`; extra keyword arguments other than
-    `loss` are passed on to `inner`.
+    A `LossScalingTransformation`; extra keyword arguments other than `loss` are
+    passed on to `inner`.
   """
   initial = _serialization.get(loss_scale)
   if not isinstance(initial, _loss_scale.LossScale):
@@ -105,13 +130,15 @@ def loss_scaling(
         nonfinite_loss_steps=zero(),
     )
 
-  def update_fn(grads, state, params=None, *, loss=None, **extra_args):
+  def decide(grads, state, loss):
+    """`(should_apply, new_loss_scale, loss_finite)` from the scaled gradients."""
     loss_scale_ = state.loss_scale
-    grads = loss_scale_.unscale(grads)
+    # Finite after unscaling exactly when the largest magnitudes are, unscaled.
+    largest = loss_scale_.unscale(_tree.max_magnitudes(grads))
     if loss is None:
-      (grads_finite,), loss_finite = _tree.agreed_all_finite([grads], axis_name), None
+      (grads_finite,), loss_finite = _tree.agreed_all_finite([largest], axis_name), None
     else:
-      grads_finite, loss_finite = _tree.agreed_all_finite([grads, loss], axis_name)
+      grads_finite, loss_finite = _tree.agreed_all_finite([largest, loss], axis_name)
 
     new_loss_scale, should_apply = loss_scale_.adjust(grads_finite)
     if skip_nonfinite:
@@ -120,14 +147,10 @@ def loss_scaling(
       # Scaling cannot cause or cure a non-finite forward pass: keep the scale.
       new_loss_scale = _tree.select_tree(loss_finite, new_loss_scale, loss_scale_)
       should_apply = should_apply & loss_finite
+    return should_apply, new_loss_scale, loss_finite
 
-    updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-    if check_updates:
-      should_apply = should_apply & _tree.all_finite(updates, axis_name)
-    updates = _tree.zeros_unless(should_apply, updates)
-    new_inner_state = _tree.select_tree(should_apply, new_inner_state, state.inner_state)
-
-    new_state = LossScalingState(
+  def new_state(state, should_apply, new_loss_scale, new_inner_state, loss_finite):
+    return LossScalingState(
         loss_scale=new_loss_scale,
         inner_state=new_inner_state,
         skipped_steps=jnp.where(
@@ -140,9 +163,55 @@ def loss_scaling(
         nonfinite_loss_steps=state.nonfinite_loss_steps
         + (0 if loss_finite is None else jnp.logical_not(loss_finite).astype(jnp.int32)),
     )
-    return updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def step(grads, state, params, loss, extra_args, apply):
+    """The common step: updates (or new params when `apply`) and the new state."""
+    should_apply, new_loss_scale, loss_finite = decide(grads, state, loss)
+
+    def run_inner():
+      updates, new_inner_state = inner.update(
+          state.loss_scale.unscale(grads), state.inner_state, params, **extra_args)
+      return (optax.apply_updates(params, updates) if apply else updates), new_inner_state
+
+    def skipped(like):
+      return (params if apply else _tree.zeros_like_shapes(like[0])), state.inner_state
+
+    def by_cond():
+      return _tree.cond(should_apply, run_inner, skipped), should_apply
+
+    def by_where():
+      out, new_inner_state = run_inner()
+      applied = should_apply
+      if check_updates:
+        updates = jax.tree.map(jnp.subtract, out, params) if apply else out
+        applied = applied & _tree.all_finite(updates, axis_name)
+      if apply:
+        out = _tree.select_tree(applied, out, params)
+      else:
+        out = _tree.zeros_unless(applied, out)
+      new_inner_state = _tree.select_tree(applied, new_inner_state, state.inner_state)
+      return (out, new_inner_state), applied
+
+    if apply and not check_updates:
+      # On CPU a branch lets the donated parameters and optimizer state be updated
+      # in place; `jnp.where` would make XLA copy them. Elsewhere `jnp.where` needs
+      # no branch on the device.
+      (out, new_inner_state), should_apply = _tree.through_arrays(
+          lambda cpu, default: jax.lax.platform_dependent(cpu=cpu, default=default),
+          by_cond, by_where)
+    else:
+      (out, new_inner_state), should_apply = by_where()
+    return out, new_state(state, should_apply, new_loss_scale, new_inner_state, loss_finite)
+
+  def update_fn(grads, state, params=None, *, loss=None, **extra_args):
+    return step(grads, state, params, loss, extra_args, apply=False)
+
+  def apply_fn(grads, state, params, *, loss=None, **extra_args):
+    return step(grads, state, params, loss, extra_args, apply=True)
+
+  tx = LossScalingTransformation(init_fn, update_fn)
+  tx._apply_gradients = apply_fn
+  return tx
 
 
 def find_state(opt_state: Any) -> LossScalingState:

@@ -60,12 +60,22 @@ def local_all_finite(tree: Any) -> jax.Array:
   Computed as `isfinite(max |x|)`: XLA's max propagates NaN and |±inf| = inf, so
   this is exact, and a float max-reduction is cheaper than reducing a boolean mask.
   """
-  leaves = [x for x in float_leaves(tree) if x.size]
-  if not leaves:
+  largest = [m.astype(jnp.float32) for m in max_magnitudes(tree)]
+  if not largest:
     return jnp.array(True)
-  largest = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in leaves]
   largest = jnp.max(jnp.stack(largest)) if len(largest) > 1 else largest[0]
   return jnp.isfinite(largest)
+
+
+def max_magnitudes(tree: Any) -> list[jax.Array]:
+  """`max |x|` of every non-empty floating leaf, each a scalar of the leaf's dtype.
+
+  NaN propagates through the max, so a leaf's entry is finite exactly when the whole
+  leaf is. Dividing the entries by a positive scale is monotone, so they are finite
+  after the division exactly when every divided element would be: finiteness of
+  unscaled gradients can be decided without unscaling them.
+  """
+  return [jnp.max(jnp.abs(x)) for x in float_leaves(tree) if x.size]
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
@@ -141,3 +151,48 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jnp.where(pred, a, b)
 
   return jax.tree.map(select, on_true, on_false)
+
+
+def through_arrays(combine, *fns) -> Any:
+  """`combine(*fns)` for a JAX combinator whose branches may return static leaves.
+
+  Combinators such as `jax.lax.cond` or `jax.lax.platform_dependent` accept only
+  arrays as outputs. Each of `fns` takes no arguments and returns the same structure;
+  only its array leaves go through `combine`, and the other leaves (strings,
+  functions: the static parts of equinox-style modules) are taken from the first
+  function that `combine` traced.
+  """
+  traced = [None] * len(fns)
+
+  def arrays_of(i, fn):
+    def arrays():
+      leaves, treedef = jax.tree.flatten(fn())
+      traced[i] = (treedef, leaves)
+      return [x for x in leaves if is_array(x)]
+    return arrays
+
+  arrays = combine(*[arrays_of(i, fn) for i, fn in enumerate(fns)])
+  # A combinator may trace only some branches (platform_dependent may pick one).
+  treedef, leaves = next(t for t in traced if t is not None)
+  for other, _ in (t for t in traced if t is not None):
+    if other != treedef:
+      raise TypeError(f"Branches must return the same structure, got {treedef} and {other}.")
+  arrays = iter(arrays)
+  return jax.tree.unflatten(treedef, [next(arrays) if is_array(x) else x for x in leaves])
+
+
+def cond(pred: jax.Array, true_fn, false_fn) -> Any:
+  """`jax.lax.cond(pred, true_fn, false_fn)`, where `false_fn` sees what `true_fn` returns.
+
+  `false_fn(like)` receives `true_fn`'s output with arrays as `jax.ShapeDtypeStruct`s
+  (for example to build zeros of the right shapes). Outputs may hold static leaves,
+  see `through_arrays`.
+  """
+  like = through_arrays(lambda fn: jax.eval_shape(fn), true_fn)
+  return through_arrays(lambda t, f: jax.lax.cond(pred, t, f), true_fn, lambda: false_fn(like))
+
+
+def zeros_like_shapes(tree: Any) -> Any:
+  """Zeros for every `jax.ShapeDtypeStruct` leaf; other leaves pass through."""
+  return jax.tree.map(
+      lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree)

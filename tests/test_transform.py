@@ -82,6 +82,89 @@ def test_overflowed_step_is_skipped_exactly_like_a_control_run_without_that_batc
   assert int(scaled_state.skipped_steps) == 1
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
+                                   optax.adamw(1e-2, weight_decay=1e-3)],
+                         ids=["sgd", "adam", "adamw"])
+def test_apply_gradients_skips_exactly_like_a_control_run_without_that_batch(inner):
+  data, k = batches(12), 5
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3))
+  grad_fn = jls.scaled_value_and_grad(loss_fn)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def fused_step(params, opt_state, batch):
+    _, grads = grad_fn(opt_state, params, *batch)
+    return tx.apply_gradients(grads, opt_state, params)
+
+  params, opt_state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
+  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
+    params, opt_state = fused_step(params, opt_state, batch)
+
+  control_step, control_params, control_state = plain_step(inner), PARAMS, inner.init(PARAMS)
+  for batch in data[:k] + data[k + 1:]:
+    control_params, control_state = control_step(control_params, control_state, batch)
+  chex.assert_trees_all_equal(params, control_params)
+  chex.assert_trees_all_equal(opt_state.inner_state, control_state)
+  assert float(opt_state.loss_scale()) == 2.0**10 * 2.0**3 * 0.5
+  assert int(opt_state.skipped_steps) == 1 and int(opt_state.consecutive_skips) == 0
+
+
+@pytest.mark.parametrize("check_updates", [False, True])
+def test_apply_gradients_keeps_params_and_state_on_a_skipped_step(check_updates):
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0),
+                        check_updates=check_updates)
+  state = tx.init(PARAMS)
+  bad = jax.tree.map(jnp.ones_like, PARAMS)
+  bad["dense"]["bias"] = bad["dense"]["bias"].at[1].set(jnp.nan)
+
+  params, new_state = jax.jit(tx.apply_gradients)(bad, state, PARAMS)
+
+  chex.assert_trees_all_equal(params, PARAMS)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert float(new_state.loss_scale()) == 4.0 and int(new_state.skipped_steps) == 1
+  assert not bool(new_state.last_applied)
+
+
+def test_apply_gradients_takes_the_loss_and_extra_args_like_update():
+  tx = jls.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+  state = tx.init(PARAMS)
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  params, new_state = jax.jit(tx.apply_gradients)(grads, state, PARAMS, loss=jnp.nan)
+  chex.assert_trees_all_equal(params, PARAMS)
+  assert int(new_state.nonfinite_loss_steps) == 1
+  assert float(new_state.loss_scale()) == float(state.loss_scale())
+
+
+def test_apply_gradients_with_none_leaves_as_in_filtered_equinox_modules():
+  params = {"w": jnp.ones(3), "activation": None}
+  tx = jls.loss_scaling(optax.sgd(0.5), jls.FixedLossScale(4))
+  state = tx.init(params)
+  grads = {"w": jnp.full(3, 4.0), "activation": None}
+  new_params, state = jax.jit(tx.apply_gradients)(grads, state, params)
+  assert new_params["activation"] is None
+  chex.assert_trees_all_equal(new_params["w"], jnp.full(3, 0.5))
+  bad = {"w": jnp.array([1.0, jnp.inf, 1.0]), "activation": None}
+  same_params, state = jax.jit(tx.apply_gradients)(bad, state, new_params)
+  chex.assert_trees_all_equal(same_params, new_params)
+
+
+def test_apply_gradients_under_vmap_skips_per_member():
+  # Under vmap the branch becomes a select: each member skips on its own.
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(2))
+  params = {"w": jnp.zeros((2, 3))}
+  states = jax.vmap(tx.init)(params)
+  grads = {"w": jnp.array([[2.0, 2.0, 2.0], [2.0, jnp.nan, 2.0]])}
+  new_params, states = jax.vmap(tx.apply_gradients)(grads, states, params)
+  chex.assert_trees_all_equal(new_params["w"], jnp.array([[-1.0] * 3, [0.0] * 3]))
+  assert states.skipped_steps.tolist() == [0, 1]
+
+
+def test_loss_scaling_is_still_a_plain_optax_transformation():
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  init, update = tx
+  assert init is tx.init and update is tx.update
+
+
 # --- skipped steps -----------------------------------------------------------------
 
 
@@ -502,5 +585,3 @@ def test_flax_train_state_example():
   assert losses[-1] < losses[0]
   assert int(jls.metrics(state.opt_state)["skipped_steps"]) == 0
 
-
-del functools
