@@ -169,26 +169,24 @@ def loss_scaling(
     should_apply, new_loss_scale, loss_finite = decide(grads, state, loss)
 
     def run_inner():
-      updates, new_inner_state = inner.update(
+      return inner.update(
           state.loss_scale.unscale(grads), state.inner_state, params, **extra_args)
-      return (optax.apply_updates(params, updates) if apply else updates), new_inner_state
 
-    def skipped(like):
-      return (params if apply else _tree.zeros_like_shapes(like[0])), state.inner_state
-
-    def by_cond():
-      return _tree.cond(should_apply, run_inner, skipped), should_apply
+    def by_cond():  # only for `apply`: the skipped branch keeps params and state
+      def applied():
+        updates, new_inner_state = run_inner()
+        return optax.apply_updates(params, updates), new_inner_state
+      return _tree.cond(should_apply, applied, lambda: (params, state.inner_state)), should_apply
 
     def by_where():
-      out, new_inner_state = run_inner()
+      updates, new_inner_state = run_inner()
       applied = should_apply
       if check_updates:
-        updates = jax.tree.map(jnp.subtract, out, params) if apply else out
         applied = applied & _tree.all_finite(updates, axis_name)
       if apply:
-        out = _tree.select_tree(applied, out, params)
+        out = _tree.select_tree(applied, optax.apply_updates(params, updates), params)
       else:
-        out = _tree.zeros_unless(applied, out)
+        out = _tree.zeros_unless(applied, updates)
       new_inner_state = _tree.select_tree(applied, new_inner_state, state.inner_state)
       return (out, new_inner_state), applied
 

@@ -182,17 +182,8 @@ def through_arrays(combine, *fns) -> Any:
 
 
 def cond(pred: jax.Array, true_fn, false_fn) -> Any:
-  """`jax.lax.cond(pred, true_fn, false_fn)`, where `false_fn` sees what `true_fn` returns.
+  """`jax.lax.cond(pred, true_fn, false_fn)` for outputs that may hold static leaves.
 
-  `false_fn(like)` receives `true_fn`'s output with arrays as `jax.ShapeDtypeStruct`s
-  (for example to build zeros of the right shapes). Outputs may hold static leaves,
-  see `through_arrays`.
+  See `through_arrays`; both functions take no arguments.
   """
-  like = through_arrays(lambda fn: jax.eval_shape(fn), true_fn)
-  return through_arrays(lambda t, f: jax.lax.cond(pred, t, f), true_fn, lambda: false_fn(like))
-
-
-def zeros_like_shapes(tree: Any) -> Any:
-  """Zeros for every `jax.ShapeDtypeStruct` leaf; other leaves pass through."""
-  return jax.tree.map(
-      lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, tree)
+  return through_arrays(lambda t, f: jax.lax.cond(pred, t, f), true_fn, false_fn)
