@@ -146,8 +146,9 @@ class LossScale(abc.ABC):
   def unscale(self, tree: Any) -> Any:
     """Divides every floating leaf of `tree` by the loss scale, keeping its dtype.
 
-    The quotient is computed in float32 (or wider, for float64 leaves) and cast back
-    to the leaf's dtype. `None` and non-floating leaves pass through untouched.
+    The quotient is correctly rounded whatever the scale (see `exact_divide`),
+    computed in float32 (or wider, for float64 leaves) and cast back to the leaf's
+    dtype. `None` and non-floating leaves pass through untouched.
     """
     # A true division, never a multiply by the reciprocal: the compiler may contract
     # such a multiply into the optimizer's fused multiply-adds, which round
@@ -220,20 +221,17 @@ def _divide(x: jax.Array, factor: jax.Array) -> jax.Array:
 
 
 def exact_divide(x: jax.Array, divisor: Any) -> jax.Array:
-  """`x / divisor`, correctly rounded even when `divisor` is a compile-time constant.
+  """`x / divisor` for a scalar `divisor`, correctly rounded.
 
-  XLA rewrites division by a constant into multiplication by its reciprocal, which
-  is inexact unless the constant is a power of two (e.g. x / 3 != x * (1/3) in
-  float32). An optimisation barrier keeps other constants a true division.
+  XLA rewrites a division by a scalar into a multiplication by its reciprocal,
+  which is inexact unless the divisor is a power of two (`x / 3 != x * (1/3)` in
+  float32), for constants and run-time scalars alike. Dividing instead by a
+  divisor that depends on `x` keeps a true division: NaN elements are divided by 1,
+  which leaves them NaN, and every other element by `divisor`.
   """
-  if isinstance(divisor, (int, float)) and not _is_power_of_two(divisor):
-    divisor = jax.lax.optimization_barrier(jnp.asarray(divisor, x.dtype))
+  x = jnp.asarray(x)
+  divisor = jnp.where(jnp.isnan(x), jnp.ones([], x.dtype), jnp.asarray(divisor, x.dtype))
   return x / divisor
-
-
-def _is_power_of_two(value: float) -> bool:
-  mantissa, _ = math.frexp(value)
-  return mantissa == 0.5
 
 
 @loss_scale_dataclass
@@ -282,11 +280,6 @@ class FixedLossScale(LossScale):
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
-
-  def unscale(self, tree: Any) -> Any:
-    # Pass the Python value so that `exact_divide` sees the constant.
-    value = self.loss_scale_value
-    return _tree.map_float_leaves(lambda x: _divide(x, value), tree)
 
   def adjust(self, grads_finite: Any) -> tuple[FixedLossScale, jax.Array]:
     del grads_finite

@@ -266,6 +266,22 @@ def test_scale_computes_in_float32_so_a_float16_product_survives():
   assert float(ls.unscale(jnp.array(2.0**-4, jnp.float16))) == 2.0**-20
 
 
+@pytest.mark.parametrize("loss_scale", [jls.FixedLossScale(3.0), jls.DynamicLossScale(1000.0)],
+                         ids=["fixed_3", "dynamic_1000"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_unscale_is_a_correctly_rounded_division_by_any_scale(loss_scale, jitted):
+  # XLA turns a division by a scalar into a multiplication by its reciprocal, which
+  # is off by one ulp for a third (scale 3) to over half (scale 1000) of all values.
+  x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+  x[:3] = [np.inf, -np.inf, np.nan]
+  unscale = jax.jit(lambda ls, x: ls.unscale(x)) if jitted else lambda ls, x: ls.unscale(x)
+  expected = x / np.float32(loss_scale())
+  np.testing.assert_array_equal(np.asarray(unscale(loss_scale, x)), expected)
+  # Fused into a consumer, it stays a division.
+  fused = jax.jit(lambda ls, x: ls.unscale(x) * 0.5)(loss_scale, x)
+  np.testing.assert_array_equal(np.asarray(fused), expected * np.float32(0.5))
+
+
 def test_scale_and_unscale_pass_none_and_non_floating_leaves_through():
   ls = jls.FixedLossScale(4)
   tree = {"w": jnp.ones(2), "none": None, "step": jnp.array(3), "name": "x"}

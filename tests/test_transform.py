@@ -19,10 +19,26 @@ def loss_fn(params, x, y):
   return jnp.mean((pred - y) ** 2)
 
 
-def batches(n, seed=0):
+def batches(n, seed=0, outputs=3):
   rng = np.random.default_rng(seed)
   return [(jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
-           jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)) for _ in range(n)]
+           jnp.asarray(rng.normal(size=(8, outputs)), jnp.float32)) for _ in range(n)]
+
+
+def kernel_loss(params, x, y):
+  return jnp.mean((x @ params["kernel"] - y) ** 2)
+
+
+def one_leaf(outputs):
+  return {"kernel": jnp.linspace(-1.0, 1.0, 4 * outputs).reshape(4, outputs)}
+
+
+# (params, loss, outputs): the compiler fuses a one-leaf optimizer step differently.
+MODELS = {
+    "dense": (PARAMS, loss_fn, 3),
+    "one_leaf": (one_leaf(12), kernel_loss, 12),
+    "one_wide_leaf": (one_leaf(1025), kernel_loss, 1025),
+}
 
 
 def poison(batch):
@@ -41,17 +57,17 @@ def make_step(tx, loss=loss_fn, **jit_kwargs):
   return jax.jit(step, **jit_kwargs)
 
 
-def plain_step(tx):
+def plain_step(tx, loss=loss_fn):
   @jax.jit
   def step(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(params, *batch)
+    grads = jax.grad(loss)(params, *batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
   return step
 
 
-def run(tx, data, params=PARAMS):
-  step, opt_state = make_step(tx), tx.init(params)
+def run(tx, data, params=PARAMS, loss=loss_fn):
+  step, opt_state = make_step(tx, loss), tx.init(params)
   for batch in data:
     params, opt_state, _ = step(params, opt_state, batch)
   return params, opt_state
@@ -63,13 +79,16 @@ def run(tx, data, params=PARAMS):
 @pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
                                    optax.adamw(1e-2, weight_decay=1e-3)],
                          ids=["sgd", "adam", "adamw"])
-def test_overflowed_step_is_skipped_exactly_like_a_control_run_without_that_batch(inner):
-  data, k = batches(12), 5
+@pytest.mark.parametrize("model", MODELS)
+def test_overflowed_step_is_skipped_exactly_like_a_control_run_without_that_batch(
+    inner, model):
+  params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
   loss_scale = jls.DynamicLossScale(2.0**10, increment_period=3)
   scaled_params, scaled_state = run(jls.loss_scaling(inner, loss_scale),
-                                    data[:k] + [poison(data[k])] + data[k + 1:])
+                                    data[:k] + [poison(data[k])] + data[k + 1:], params, loss)
 
-  control_step, control_params, control_state = plain_step(inner), PARAMS, inner.init(PARAMS)
+  control_step, control_params, control_state = plain_step(inner, loss), params, inner.init(params)
   for batch in data[:k] + data[k + 1:]:
     control_params, control_state = control_step(control_params, control_state, batch)
 
@@ -85,21 +104,24 @@ def test_overflowed_step_is_skipped_exactly_like_a_control_run_without_that_batc
 @pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
                                    optax.adamw(1e-2, weight_decay=1e-3)],
                          ids=["sgd", "adam", "adamw"])
-def test_apply_gradients_skips_exactly_like_a_control_run_without_that_batch(inner):
-  data, k = batches(12), 5
+@pytest.mark.parametrize("model", MODELS)
+def test_apply_gradients_skips_exactly_like_a_control_run_without_that_batch(inner, model):
+  init_params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
   tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3))
-  grad_fn = jls.scaled_value_and_grad(loss_fn)
+  grad_fn = jls.scaled_value_and_grad(loss)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def fused_step(params, opt_state, batch):
     _, grads = grad_fn(opt_state, params, *batch)
     return tx.apply_gradients(grads, opt_state, params)
 
-  params, opt_state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
+  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
   for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
     params, opt_state = fused_step(params, opt_state, batch)
 
-  control_step, control_params, control_state = plain_step(inner), PARAMS, inner.init(PARAMS)
+  control_step = plain_step(inner, loss)
+  control_params, control_state = init_params, inner.init(init_params)
   for batch in data[:k] + data[k + 1:]:
     control_params, control_state = control_step(control_params, control_state, batch)
   chex.assert_trees_all_equal(params, control_params)
