@@ -167,23 +167,22 @@ def loss_scaling(
   def step(grads, state, params, loss, extra_args, apply):
     """The common step: updates (or new params when `apply`) and the new state."""
     should_apply, new_loss_scale, loss_finite = decide(grads, state, loss)
+    # Unscaled outside any branch, so under `lax.cond` the optimizer reads them from
+    # memory exactly as it reads unscaled gradients: fused into its arithmetic, the
+    # division could change how the compiler contracts that into multiply-adds.
+    unscaled = state.loss_scale.unscale(grads)
 
-    def run_inner(unscaled):
+    def run_inner():
       return inner.update(unscaled, state.inner_state, params, **extra_args)
 
     def by_cond():  # only for `apply`: the skipped branch keeps params and state
-      # Unscaled before the branch, so the optimizer reads them from memory exactly
-      # as it would read unscaled gradients: fused into its arithmetic, the division
-      # could change how the compiler contracts that arithmetic into multiply-adds.
-      unscaled = state.loss_scale.unscale(grads)
-
       def applied():
-        updates, new_inner_state = run_inner(unscaled)
+        updates, new_inner_state = run_inner()
         return optax.apply_updates(params, updates), new_inner_state
       return _tree.cond(should_apply, applied, lambda: (params, state.inner_state)), should_apply
 
     def by_where():
-      updates, new_inner_state = run_inner(state.loss_scale.unscale(grads))
+      updates, new_inner_state = run_inner()
       applied = should_apply
       if check_updates:
         applied = applied & _tree.all_finite(updates, axis_name)
