@@ -7,6 +7,7 @@ leaves, for:
   plain        optax.adam, no loss scaling (the reference)
   jax_lossscale loss_scaling(adam, DynamicLossScale()): tx.update + optax.apply_updates
   jls.apply_gradients  the same transformation's fused tx.apply_gradients
+  jls.apply_gradients(fuse_unscale)  the same with loss_scaling(..., fuse_unscale=True)
   jmp          jmp.DynamicLossScale: unscale, all_finite, adjust, select_tree
   flax         the flax DynamicScale pattern: unscale, finiteness, scale update,
                jnp.where on parameters and optimizer state
@@ -57,10 +58,16 @@ def variants(inner: optax.GradientTransformation) -> dict:
   def jls_fused_step(params, state, grads):
     return tx.apply_gradients(grads, state, params)
 
+  fusing = jls.loss_scaling(inner, fuse_unscale=True)
+
+  def jls_fused_unscale_step(params, state, grads):
+    return fusing.apply_gradients(grads, state, params)
+
   out = {
       "plain": (inner.init, plain_step),
       "jax_lossscale": (tx.init, jls_step),
       "jls.apply_gradients": (tx.init, jls_fused_step),
+      "jls.apply_gradients(fuse_unscale)": (fusing.init, jls_fused_unscale_step),
   }
 
   try:
@@ -193,7 +200,7 @@ def main(argv=None) -> None:
   print(f"# {device.platform.upper()} {device.device_kind}, {machine}, "
         f"jax {jax.__version__}, optax {optax.__version__}, inner="
         f"{'clip+adam' if args.clip else 'adam'}; ratios vs plain, same process, interleaved")
-  header = f"{'params':>8s} {'leaves':>6s} {'variant':>19s} {'ms':>8s} {'time×':>6s} " \
+  header = f"{'params':>8s} {'leaves':>6s} {'variant':>33s} {'ms':>8s} {'time×':>6s} " \
            f"{'bytes×':>7s} {'temps MB':>9s} {'temps/params':>12s}"
   print(header)
   results = []
@@ -201,7 +208,7 @@ def main(argv=None) -> None:
     for leaves in args.leaves:
       row = measure(int(n), leaves, inner, args.reps)
       for name, r in row.items():
-        print(f"{int(n):8.0e} {leaves:6d} {name:>19s} {r['median_ms']:8.2f} "
+        print(f"{int(n):8.0e} {leaves:6d} {name:>33s} {r['median_ms']:8.2f} "
               f"{r['time_ratio']:6.2f} {r['bytes_ratio']:7.3f} {r['temps_bytes'] / 1e6:9.1f} "
               f"{r['temps_vs_params']:12.2f}")
       results.append({"params": int(n), "leaves": leaves, "results": row})

@@ -220,6 +220,19 @@ def _divide(x: jax.Array, factor: jax.Array) -> jax.Array:
   return exact_divide(x.astype(_compute_dtype(x.dtype)), factor).astype(x.dtype)
 
 
+def unscale_by_reciprocal(loss_scale: LossScale, tree: Any) -> Any:
+  """`loss_scale.unscale(tree)` as a multiplication by the reciprocal of the scale.
+
+  The same values as `unscale` when the scale is a power of two (every scale that
+  `DynamicLossScale` reaches with its default factors), otherwise within one more
+  rounding. Unlike a division, the compiler fuses it into whatever consumes it.
+  """
+  if isinstance(loss_scale, NoOpLossScale):
+    return tree
+  inverse = 1 / loss_scale()
+  return _tree.map_float_leaves(lambda x: _times(x, inverse), tree)
+
+
 def exact_divide(x: jax.Array, divisor: Any) -> jax.Array:
   """`x / divisor` for a scalar `divisor`, correctly rounded.
 

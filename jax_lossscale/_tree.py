@@ -78,6 +78,43 @@ def max_magnitudes(tree: Any) -> list[jax.Array]:
   return [jnp.max(jnp.abs(x)) for x in float_leaves(tree) if x.size]
 
 
+def max_magnitude_per_dtype(tree: Any, magnitude=lambda x: jnp.max(jnp.abs(x))) -> list[jax.Array]:
+  """`max_magnitudes` reduced to one scalar per floating dtype present in `tree`.
+
+  As few scalars as dtypes, however many leaves: a step then divides and tests a
+  handful of numbers instead of one per leaf, each of its own dtype so that it
+  overflows (or not) after unscaling exactly as that dtype's gradients would.
+
+  Args:
+    tree: any pytree.
+    magnitude: computes `max |x|` of one leaf, e.g. `max_magnitude`.
+  """
+  by_dtype: dict[Any, list[jax.Array]] = {}
+  for x in float_leaves(tree):
+    if x.size:
+      by_dtype.setdefault(x.dtype, []).append(magnitude(x))
+  return [m[0] if len(m) == 1 else jnp.max(jnp.stack(m)) for m in by_dtype.values()]
+
+
+def max_magnitude(x: jax.Array) -> jax.Array:
+  """`max |x|` over a whole array, read once; NaN if `x` holds a NaN.
+
+  A real array's largest magnitude is `max(max x, -min x)`, and both come from one
+  variadic reduction with no element-wise operation in front of it, which XLA:CPU
+  streams faster than `max(abs(x))` (about 1.5 against 2.2 ms for 10^7 float32
+  values on a 2-core x86_64 machine).
+  """
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return jnp.max(jnp.abs(x))
+  largest, smallest = jax.lax.reduce(
+      (x, x),
+      (jnp.array(-jnp.inf, x.dtype), jnp.array(jnp.inf, x.dtype)),
+      lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])),
+      tuple(range(x.ndim)),
+  )
+  return jax.lax.max(largest, -smallest)
+
+
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   """Whether every floating value in `tree` is finite (no inf, no NaN).
 

@@ -53,3 +53,31 @@ def test_apply_gradients_on_cpu_copies_neither_parameters_nor_optimizer_state():
   assert fused <= plain + 3 * grads_bytes + 4096, (fused - plain) / grads_bytes
   temps = compile_step(jls.loss_scaling(optax.adam(1e-3)), True, params).memory_analysis()
   assert temps.temp_size_in_bytes <= 1.01 * grads_bytes
+
+
+def test_fused_unscaling_reaches_the_floor_one_extra_read_of_the_gradients():
+  # With `fuse_unscale=True` the unscaling runs inside the optimizer's own loop: the
+  # only pass over the gradients beyond plain Adam is the finiteness check, and the
+  # donated step needs no temporary at all.
+  params = {"w": jnp.ones((1 << 18,))}
+  grads_bytes = 4 * params["w"].size
+  tx = jls.loss_scaling(optax.adam(1e-3), fuse_unscale=True)
+  plain = bytes_accessed(optax.adam(1e-3), params=params)
+  fused = bytes_accessed(tx, fused=True, params=params)
+  assert fused <= plain + grads_bytes + 4096, (fused - plain) / grads_bytes
+  temps = compile_step(tx, True, params).memory_analysis()
+  assert temps.temp_size_in_bytes <= 0.01 * grads_bytes
+
+
+def test_streaming_max_magnitude_reads_each_leaf_once():
+  # `fuse_unscale`'s check: max |x| from one variadic (max, min) reduction per
+  # leaf, with no element-wise pass in front: the bytes of the leaves, plus scalars.
+  from jax_lossscale import _tree
+
+  grads = {"a": jnp.ones((1000, 100)), "b": jnp.ones((777,), jnp.float16)}
+  compiled = jax.jit(lambda g: _tree.max_magnitude_per_dtype(g, _tree.max_magnitude)).lower(
+      grads).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  grads_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+  assert grads_bytes <= cost["bytes accessed"] <= grads_bytes + 256

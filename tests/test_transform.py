@@ -130,10 +130,50 @@ def test_apply_gradients_skips_exactly_like_a_control_run_without_that_batch(inn
   assert int(opt_state.skipped_steps) == 1 and int(opt_state.consecutive_skips) == 0
 
 
+@pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
+                                   optax.adamw(1e-2, weight_decay=1e-3)],
+                         ids=["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_fuse_unscale_skips_like_a_control_run_and_agrees_to_the_last_bits(
+    inner, model, fused):
+  init_params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3),
+                        fuse_unscale=True)
+  grad_fn = jls.scaled_value_and_grad(loss)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    _, grads = grad_fn(opt_state, params, *batch)
+    if fused:
+      return tx.apply_gradients(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
+  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
+    params, opt_state = step(params, opt_state, batch)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+  control_step = plain_step(inner, loss)
+  control_params, control_state = init_params, inner.init(init_params)
+  for batch in data[:k] + data[k + 1:]:
+    control_params, control_state = control_step(control_params, control_state, batch)
+  # The same steps are skipped and the scale follows the same trajectory; the
+  # values differ at most by how the compiler contracted multiply-adds.
+  assert float(opt_state.loss_scale()) == 2.0**10 * 2.0**3 * 0.5
+  assert int(opt_state.skipped_steps) == 1
+  chex.assert_trees_all_close(params, control_params, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(opt_state.inner_state, control_state, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("fuse_unscale", [False, True])
 @pytest.mark.parametrize("check_updates", [False, True])
-def test_apply_gradients_keeps_params_and_state_on_a_skipped_step(check_updates):
+def test_apply_gradients_keeps_params_and_state_on_a_skipped_step(check_updates,
+                                                                   fuse_unscale):
   tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0),
-                        check_updates=check_updates)
+                        check_updates=check_updates, fuse_unscale=fuse_unscale)
   state = tx.init(PARAMS)
   bad = jax.tree.map(jnp.ones_like, PARAMS)
   bad["dense"]["bias"] = bad["dense"]["bias"].at[1].set(jnp.nan)
@@ -515,6 +555,8 @@ def test_loss_scaling_accepts_identifiers_and_rejects_nonsense():
     jls.loss_scaling(optax.sgd(1), "static")
   with pytest.raises(ValueError, match="skip_nonfinite"):
     jls.loss_scaling(optax.sgd(1), skip_nonfinite="yes")
+  with pytest.raises(ValueError, match="fuse_unscale"):
+    jls.loss_scaling(optax.sgd(1), fuse_unscale=1)
 
 
 # --- scaled_value_and_grad ---------------------------------------------------------

@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_lossscale as jls
@@ -65,3 +66,35 @@ def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
   out = jls.select_tree(False, {"f": jax.nn.relu, "x": jnp.ones(1)},
                         {"f": jax.nn.relu, "x": jnp.zeros(1)})
   assert out["f"] is jax.nn.relu and float(out["x"][0]) == 0
+
+
+# --- the one-pass largest magnitude used by `fuse_unscale` ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (9,), (1000,), (3, 333), (333, 3)])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_max_magnitude_is_not_finite_for_a_bad_value_anywhere(dtype, shape, bad):
+  from jax_lossscale import _tree
+
+  n = int(np.prod(shape))
+  base = np.random.default_rng(n).normal(size=n).astype(np.float32)
+  f = jax.jit(_tree.max_magnitude)
+  assert float(f(jnp.asarray(base.reshape(shape), dtype))) == float(
+      jnp.max(jnp.abs(jnp.asarray(base, dtype))))
+  for position in sorted({0, n // 2, n - 1, max(n - 8, 0)}):
+    x = base.copy()
+    x[position] = bad
+    assert not np.isfinite(float(f(jnp.asarray(x.reshape(shape), dtype)))), position
+
+
+def test_max_magnitude_of_huge_values_of_both_signs_and_complex_leaves():
+  from jax_lossscale import _tree
+
+  # max - min would overflow here; max(max, -min) does not.
+  assert float(_tree.max_magnitude(jnp.array([3e38, -3.2e38], jnp.float32))) == float(
+      jnp.float32(3.2e38))
+  assert float(_tree.max_magnitude(jnp.array([3 + 4j, -1j], jnp.complex64))) == 5.0
+  assert _tree.max_magnitude_per_dtype(
+      {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16), "d": None},
+      _tree.max_magnitude) == [2.0, 1.0]
