@@ -54,6 +54,24 @@ def test_spmd_jit_inf_in_one_shard_makes_every_device_skip(mesh):
   assert float(new_state.loss_scale()) == 4.0 and int(new_state.skipped_steps) == 1
 
 
+def test_fused_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh):
+  params = sharded_params(mesh)
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0), fuse_unscale=True)
+  state = jax.jit(tx.init)(params)
+  ones = {"w": jnp.ones((16, 4)), "b": jnp.ones(4)}
+  good = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), ones, params)
+  bad = dict(good, w=jax.device_put(ones["w"].at[5, 1].set(jnp.inf), params["w"].sharding))
+  step = jax.jit(tx.apply_gradients)
+
+  skipped_params, state = step(bad, state, params)
+  applied_params, state = step(good, state, skipped_params)
+
+  chex.assert_trees_all_equal(skipped_params, params)
+  assert applied_params["w"].sharding.is_equivalent_to(params["w"].sharding, 2)
+  assert not np.allclose(np.asarray(applied_params["w"]), np.asarray(params["w"]))
+  assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 4.0
+
+
 def test_state_sharding_scalars_replicated_inner_state_like_params(mesh):
   params = sharded_params(mesh)
   tx = jls.loss_scaling(optax.adam(1e-2))
