@@ -150,7 +150,7 @@ def loss_scaling(
     # fused into the optimizer's loops (under `jnp.where`), even a different
     # reduction feeding the predicate can change how LLVM vectorizes and contracts
     # the optimizer's own arithmetic.
-    magnitude = _tree.max_magnitude if fuse_unscale else (lambda x: jnp.max(jnp.abs(x)))
+    magnitude = _tree.max_magnitude if fuse_unscale else _tree.abs_max
     largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads, magnitude))
     if loss is None:
       (grads_finite,), loss_finite = _tree.agreed_all_finite([largest], axis_name), None
@@ -184,21 +184,19 @@ def loss_scaling(
   def step(grads, state, params, loss, extra_args, apply):
     """The common step: updates (or new params when `apply`) and the new state."""
     should_apply, new_loss_scale, loss_finite = decide(grads, state, loss)
-    if fuse_unscale:
-      unscaled = None
+    if fuse_unscale:  # traced inside the branch that applies the step
+      unscaled = lambda: _loss_scale.unscale_by_reciprocal(state.loss_scale, grads)  # noqa: E731
     else:
       # Unscaled outside any branch, so under `lax.cond` the optimizer reads them
       # from memory exactly as it reads unscaled gradients. Fused into its loop,
       # any extra operation changes how LLVM orders and contracts the optimizer's
       # own arithmetic into multiply-adds (its operand ranking counts the depth of
       # each operand), and the last bits of the result with it.
-      unscaled = state.loss_scale.unscale(grads)
+      outside = state.loss_scale.unscale(grads)
+      unscaled = lambda: outside  # noqa: E731
 
     def run_inner():
-      if fuse_unscale:  # traced inside the branch that applies the step
-        return inner.update(_loss_scale.unscale_by_reciprocal(state.loss_scale, grads),
-                            state.inner_state, params, **extra_args)
-      return inner.update(unscaled, state.inner_state, params, **extra_args)
+      return inner.update(unscaled(), state.inner_state, params, **extra_args)
 
     def by_cond():  # only for `apply`: the skipped branch keeps params and state
       def applied():

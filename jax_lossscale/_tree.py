@@ -60,34 +60,31 @@ def local_all_finite(tree: Any) -> jax.Array:
   Computed as `isfinite(max |x|)`: XLA's max propagates NaN and |±inf| = inf, so
   this is exact, and a float max-reduction is cheaper than reducing a boolean mask.
   """
-  largest = [m.astype(jnp.float32) for m in max_magnitudes(tree)]
+  largest = [m.astype(jnp.float32) for m in max_magnitude_per_dtype(tree)]
   if not largest:
     return jnp.array(True)
   largest = jnp.max(jnp.stack(largest)) if len(largest) > 1 else largest[0]
   return jnp.isfinite(largest)
 
 
-def max_magnitudes(tree: Any) -> list[jax.Array]:
-  """`max |x|` of every non-empty floating leaf, each a scalar of the leaf's dtype.
-
-  NaN propagates through the max, so a leaf's entry is finite exactly when the whole
-  leaf is. Dividing the entries by a positive scale is monotone, so they are finite
-  after the division exactly when every divided element would be: finiteness of
-  unscaled gradients can be decided without unscaling them.
-  """
-  return [jnp.max(jnp.abs(x)) for x in float_leaves(tree) if x.size]
+def abs_max(x: jax.Array) -> jax.Array:
+  """`max |x|` of a whole array; NaN if `x` holds a NaN (XLA's max propagates it)."""
+  return jnp.max(jnp.abs(x))
 
 
-def max_magnitude_per_dtype(tree: Any, magnitude=lambda x: jnp.max(jnp.abs(x))) -> list[jax.Array]:
-  """`max_magnitudes` reduced to one scalar per floating dtype present in `tree`.
+def max_magnitude_per_dtype(tree: Any, magnitude=abs_max) -> list[jax.Array]:
+  """The largest magnitude among the floating leaves of each dtype in `tree`.
 
-  As few scalars as dtypes, however many leaves: a step then divides and tests a
-  handful of numbers instead of one per leaf, each of its own dtype so that it
-  overflows (or not) after unscaling exactly as that dtype's gradients would.
+  One scalar per dtype, each of that dtype, however many leaves. NaN propagates, so
+  an entry is finite exactly when all its leaves are; and dividing the entries by a
+  positive scale is monotone, so they are finite after the division exactly when
+  every divided element would be: the finiteness of unscaled gradients can be
+  decided without unscaling them, and each dtype overflows (or not) after unscaling
+  exactly as its gradients would.
 
   Args:
-    tree: any pytree.
-    magnitude: computes `max |x|` of one leaf, e.g. `max_magnitude`.
+    tree: any pytree; empty, `None` and non-floating leaves are ignored.
+    magnitude: computes `max |x|` of one leaf: `abs_max`, or `max_magnitude`.
   """
   by_dtype: dict[Any, list[jax.Array]] = {}
   for x in float_leaves(tree):
