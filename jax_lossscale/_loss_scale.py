@@ -220,17 +220,25 @@ def _divide(x: jax.Array, factor: jax.Array) -> jax.Array:
   return exact_divide(x.astype(_compute_dtype(x.dtype)), factor).astype(x.dtype)
 
 
-def unscale_by_reciprocal(loss_scale: LossScale, tree: Any) -> Any:
+def unscale_by_reciprocal(loss_scale: LossScale, tree: Any, times: Any = None) -> Any:
   """`loss_scale.unscale(tree)` as a multiplication by the reciprocal of the scale.
 
   The same values as `unscale` when the scale is a power of two (every scale that
   `DynamicLossScale` reaches with its default factors), otherwise within one more
   rounding. Unlike a division, the compiler fuses it into whatever consumes it.
+
+  Args:
+    loss_scale: the scale the gradients were computed with.
+    tree: the scaled gradients.
+    times: an optional float32 scalar folded into the same one multiplication (a
+      clipping factor); where it is 1 the result is exactly the unscaled tree.
   """
-  if isinstance(loss_scale, NoOpLossScale):
+  factor = None if isinstance(loss_scale, NoOpLossScale) else 1 / loss_scale()
+  if times is not None:
+    factor = times if factor is None else factor * times
+  if factor is None:
     return tree
-  inverse = 1 / loss_scale()
-  return _tree.map_float_leaves(lambda x: _times(x, inverse), tree)
+  return _tree.map_float_leaves(lambda x: _times(x, factor), tree)
 
 
 def exact_divide(x: jax.Array, divisor: Any) -> jax.Array:

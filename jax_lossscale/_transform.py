@@ -76,6 +76,7 @@ def loss_scaling(
     skip_nonfinite: bool = True,
     check_updates: bool = False,
     fuse_unscale: bool = False,
+    clip_by_global_norm: float | None = None,
 ) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
@@ -116,6 +117,20 @@ def loss_scaling(
       loss scaling in the last bits (and, for a scale that is not a power of two,
       by the rounding of the reciprocal). Off by default, so that a run that skips
       a step equals, bit for bit, an unscaled run that never saw that batch.
+    clip_by_global_norm: a positive `max_norm` to clip the unscaled gradients to
+      their global norm before `inner` sees them, as an
+      `optax.clip_by_global_norm(max_norm)` first in `inner` would, while the
+      norm's one reduction also decides finiteness: a step reads the gradients no
+      more often than plain clipped optax. A step then counts as non-finite when
+      that norm is: whenever a gradient is inf or NaN, and also when finite
+      gradients have a global norm beyond float32's range (above about 1.8e19),
+      which optax's clipping would turn into zero updates. With float32 gradients,
+      `apply_gradients` then equals, bit for bit, an unscaled run of
+      `chain(clip_by_global_norm(max_norm), inner)` that never saw the skipped
+      batches, and `update` equals clipping first inside `inner`; float16 and
+      bfloat16 gradients are squared and divided in float32. With `fuse_unscale`
+      the clip factor joins the unscaling multiplication. Inside `shard_map` or
+      `pmap` the norm is of this device's gradients, as optax's would be.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` are
@@ -128,6 +143,14 @@ def loss_scaling(
                      ("fuse_unscale", fuse_unscale)]:
     if not isinstance(flag, bool):
       raise ValueError(f"loss_scaling: `{name}` must be a bool, got {flag!r}.")
+  if clip_by_global_norm is not None:
+    max_norm = clip_by_global_norm
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
+        or not 0 < max_norm < float("inf"):
+      raise ValueError(
+          "loss_scaling: `clip_by_global_norm` must be None or a positive finite "
+          f"number, got {max_norm!r}.")
+    max_norm = float(max_norm)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -142,16 +165,23 @@ def loss_scaling(
         nonfinite_loss_steps=zero(),
     )
 
-  def decide(grads, state, loss):
-    """`(should_apply, new_loss_scale, loss_finite)` from the scaled gradients."""
+  def decide(grads, state, loss, norm):
+    """`(should_apply, new_loss_scale, loss_finite)` from the scaled gradients.
+
+    With clipping, `norm` is the global norm of the unscaled gradients, and its
+    finiteness decides; otherwise the largest magnitudes do.
+    """
     loss_scale_ = state.loss_scale
-    # Finite after unscaling exactly when the largest magnitudes are, unscaled.
-    # Without `fuse_unscale` the check keeps the form the control-run tests pin:
-    # fused into the optimizer's loops (under `jnp.where`), even a different
-    # reduction feeding the predicate can change how LLVM vectorizes and contracts
-    # the optimizer's own arithmetic.
-    magnitude = _tree.max_magnitude if fuse_unscale else _tree.abs_max
-    largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads, magnitude))
+    if norm is not None:
+      largest = [norm]
+    else:
+      # Finite after unscaling exactly when the largest magnitudes are, unscaled.
+      # Without `fuse_unscale` the check keeps the form the control-run tests pin:
+      # fused into the optimizer's loops (under `jnp.where`), even a different
+      # reduction feeding the predicate can change how LLVM vectorizes and
+      # contracts the optimizer's own arithmetic.
+      magnitude = _tree.max_magnitude if fuse_unscale else _tree.abs_max
+      largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads, magnitude))
     if loss is None:
       (grads_finite,), loss_finite = _tree.agreed_all_finite([largest], axis_name), None
     else:
@@ -183,7 +213,6 @@ def loss_scaling(
 
   def step(grads, state, params, loss, extra_args, apply):
     """The common step: updates (or new params when `apply`) and the new state."""
-    should_apply, new_loss_scale, loss_finite = decide(grads, state, loss)
     if fuse_unscale:  # traced inside the branch that applies the step
       unscaled = lambda: _loss_scale.unscale_by_reciprocal(state.loss_scale, grads)  # noqa: E731
     else:
@@ -194,9 +223,21 @@ def loss_scaling(
       # each operand), and the last bits of the result with it.
       outside = state.loss_scale.unscale(grads)
       unscaled = lambda: outside  # noqa: E731
+    # The clip's norm, reduced once outside any branch, is also the check.
+    norm = None if clip_by_global_norm is None else _tree.global_norm(unscaled())
+    should_apply, new_loss_scale, loss_finite = decide(grads, state, loss, norm)
 
     def run_inner():
-      return inner.update(unscaled(), state.inner_state, params, **extra_args)
+      if norm is None:
+        gradients = unscaled()
+      elif fuse_unscale:
+        # One multiplication per element, by the reciprocal times the clip factor:
+        # no divided copy of the gradients for XLA to write out.
+        factor = jnp.where(norm < max_norm, 1, max_norm / norm).astype(jnp.float32)
+        gradients = _loss_scale.unscale_by_reciprocal(state.loss_scale, grads, factor)
+      else:
+        gradients = _tree.clip_by_norm(unscaled(), norm, max_norm)
+      return inner.update(gradients, state.inner_state, params, **extra_args)
 
     def by_cond():  # only for `apply`: the skipped branch keeps params and state
       def applied():

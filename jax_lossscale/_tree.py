@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -110,6 +111,39 @@ def max_magnitude(x: jax.Array) -> jax.Array:
       tuple(range(x.ndim)),
   )
   return jax.lax.max(largest, -smallest)
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of the floating leaves of `tree`, in at least float32.
+
+  `optax.tree.norm` of the leaves, each first cast to at least float32: for float32
+  leaves the very computation (operations and order) of `optax.clip_by_global_norm`;
+  float16 and bfloat16 leaves are squared in float32, where optax squares them in
+  their own dtype (a float16 square overflows beyond 256). Any inf or NaN makes the
+  norm inf or NaN. Other leaves are ignored; an empty tree has norm 0.
+  """
+  leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in float_leaves(tree)]
+  if not leaves:
+    return jnp.zeros([], jnp.float32)
+  return optax.tree.norm(leaves)
+
+
+def clip_by_norm(tree: Any, norm: jax.Array, max_norm: float) -> Any:
+  """Scales `tree` down to `max_norm` when its global `norm` is not below it.
+
+  `optax.clip_by_global_norm` with the norm given: each floating leaf `t` becomes
+  `t` if `norm < max_norm` and `(t / norm) * max_norm` otherwise, chosen with a
+  select. Leaves narrower than `norm` are divided in `norm`'s dtype and cast back,
+  so a float16 leaf is not divided by a norm that overflows float16.
+  """
+  keep = norm < max_norm
+
+  def clip(t):
+    wide = jnp.promote_types(t.dtype, norm.dtype)
+    clipped = ((t.astype(wide) / norm.astype(wide)) * max_norm).astype(t.dtype)
+    return jax.lax.select(keep, t, clipped)
+
+  return map_float_leaves(clip, tree)
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:

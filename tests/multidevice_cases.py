@@ -72,6 +72,22 @@ def test_fused_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(
   assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 4.0
 
 
+@pytest.mark.parametrize("fuse_unscale", [False, True])
+def test_shared_clipping_takes_the_global_norm_of_sharded_gradients(mesh, fuse_unscale):
+  params = sharded_params(mesh)
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(2.0), fuse_unscale=fuse_unscale,
+                        clip_by_global_norm=1.0)
+  twos = {"w": jnp.full((16, 4), 2.0), "b": jnp.full(4, 2.0)}
+  grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), twos, params)
+  new_params, state = jax.jit(tx.apply_gradients)(grads, jax.jit(tx.init)(params), params)
+
+  # Unscaled, every gradient is 1: the global norm is sqrt(68) over all shards.
+  expected = jax.tree.map(lambda p: np.asarray(p) - 1 / np.sqrt(68.0), params)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, new_params), expected, rtol=1e-6)
+  assert new_params["w"].sharding.is_equivalent_to(params["w"].sharding, 2)
+  assert bool(state.last_applied)
+
+
 def test_state_sharding_scalars_replicated_inner_state_like_params(mesh):
   params = sharded_params(mesh)
   tx = jls.loss_scaling(optax.adam(1e-2))

@@ -81,3 +81,23 @@ def test_streaming_max_magnitude_reads_each_leaf_once():
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   grads_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
   assert grads_bytes <= cost["bytes accessed"] <= grads_bytes + 256
+
+
+def test_shared_clipping_reads_the_gradients_no_more_than_plain_clipped_optax():
+  # With `clip_by_global_norm` the clip's norm is the finiteness check, so the
+  # only reduction over the gradients is the one plain clipped Adam makes; with
+  # `fuse_unscale` unscaling and clipping are one multiplication inside Adam's own
+  # loop, where optax's clip writes the clipped gradients out: fewer bytes than
+  # plain, and no temporary.
+  params = {"w": jnp.ones((1 << 18,))}
+  grads_bytes = 4 * params["w"].size
+  plain = bytes_accessed(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+                         params=params)
+  tx = jls.loss_scaling(optax.adam(1e-3), fuse_unscale=True, clip_by_global_norm=1.0)
+  shared = bytes_accessed(tx, fused=True, params=params)
+  assert shared <= 1.02 * plain, shared / plain
+  assert compile_step(tx, True, params).memory_analysis().temp_size_in_bytes <= 0.01 * grads_bytes
+  # The exact default reads fewer bytes than clipping inside `inner`.
+  inside = jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+  exact = jls.loss_scaling(optax.adam(1e-3), clip_by_global_norm=1.0)
+  assert bytes_accessed(exact, True, params) < bytes_accessed(inside, True, params)

@@ -300,6 +300,164 @@ def test_gradients_are_unscaled_with_the_scale_that_produced_them():
   assert float(state.loss_scale()) == 64.0
 
 
+# --- clipping that shares the finiteness check's reduction ---------------------------
+
+
+def run_poisoned(tx, init_params, loss, data, k, fused):
+  """Runs `tx` over `data` with batch `k` poisoned; checks params stay finite."""
+  grad_fn = jls.scaled_value_and_grad(loss)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    _, grads = grad_fn(opt_state, params, *batch)
+    if fused:
+      return tx.apply_gradients(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
+  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
+    params, opt_state = step(params, opt_state, batch)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+  return params, opt_state
+
+
+def clipped_control_run(inner, max_norm, init_params, loss, data):
+  clipped = optax.chain(optax.clip_by_global_norm(max_norm), inner)
+  step, params, state = plain_step(clipped, loss), init_params, clipped.init(init_params)
+  for batch in data:
+    params, state = step(params, state, batch)
+  return params, state[1]
+
+
+CLIP_INNERS = pytest.mark.parametrize(
+    "inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2)], ids=["sgd", "adam"])
+MAX_NORMS = pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipping", "not_clipping"])
+
+
+@CLIP_INNERS
+@pytest.mark.parametrize("model", MODELS)
+@MAX_NORMS
+def test_apply_gradients_with_clip_by_global_norm_equals_a_clipped_control_run_bit_for_bit(
+    inner, model, max_norm):
+  init_params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3),
+                        clip_by_global_norm=max_norm)
+  params, opt_state = run_poisoned(tx, init_params, loss, data, k, fused=True)
+
+  control_params, control_state = clipped_control_run(
+      inner, max_norm, init_params, loss, data[:k] + data[k + 1:])
+  chex.assert_trees_all_equal(params, control_params)
+  chex.assert_trees_all_equal(opt_state.inner_state, control_state)
+  assert float(opt_state.loss_scale()) == 2.0**10 * 2.0**3 * 0.5
+  assert int(opt_state.skipped_steps) == 1
+
+
+@CLIP_INNERS
+@pytest.mark.parametrize("model", MODELS)
+@MAX_NORMS
+def test_update_with_clip_by_global_norm_equals_clipping_first_in_inner_bit_for_bit(
+    inner, model, max_norm):
+  # `update` selects the updates with `jnp.where`, which the compiler fuses into
+  # the clipping arithmetic: with the clip inside `inner` or not, the result is the
+  # same, and within rounding of an unscaled run.
+  init_params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
+  loss_scale = jls.DynamicLossScale(2.0**10, increment_period=3)
+  params, opt_state = run_poisoned(
+      jls.loss_scaling(inner, loss_scale, clip_by_global_norm=max_norm),
+      init_params, loss, data, k, fused=False)
+  inside_params, inside_state = run_poisoned(
+      jls.loss_scaling(optax.chain(optax.clip_by_global_norm(max_norm), inner), loss_scale),
+      init_params, loss, data, k, fused=False)
+  chex.assert_trees_all_equal(params, inside_params)
+  chex.assert_trees_all_equal(opt_state.inner_state, inside_state.inner_state[1])
+  chex.assert_trees_all_equal(opt_state.loss_scale, inside_state.loss_scale)
+
+  control_params, _ = clipped_control_run(
+      inner, max_norm, init_params, loss, data[:k] + data[k + 1:])
+  chex.assert_trees_all_close(params, control_params, rtol=1e-6, atol=1e-7)
+
+
+@CLIP_INNERS
+@pytest.mark.parametrize("model", MODELS)
+@MAX_NORMS
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_clip_by_global_norm_with_fuse_unscale_agrees_to_the_last_bits(
+    inner, model, max_norm, fused):
+  init_params, loss, outputs = MODELS[model]
+  data, k = batches(12, outputs=outputs), 5
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3),
+                        fuse_unscale=True, clip_by_global_norm=max_norm)
+  params, opt_state = run_poisoned(tx, init_params, loss, data, k, fused)
+
+  control_params, control_state = clipped_control_run(
+      inner, max_norm, init_params, loss, data[:k] + data[k + 1:])
+  assert float(opt_state.loss_scale()) == 2.0**10 * 2.0**3 * 0.5
+  assert int(opt_state.skipped_steps) == 1
+  chex.assert_trees_all_close(params, control_params, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(opt_state.inner_state, control_state, rtol=1e-5, atol=1e-9)
+
+
+def test_clipping_really_clips():
+  # The harness above would pass trivially if no step were ever clipped.
+  data = batches(3)
+  clipped, _ = clipped_control_run(optax.sgd(0.1), 0.05, PARAMS, loss_fn, data)
+  free, _ = clipped_control_run(optax.sgd(0.1), 1e3, PARAMS, loss_fn, data)
+  assert not np.allclose(clipped["dense"]["kernel"], free["dense"]["kernel"])
+
+
+@pytest.mark.parametrize("fuse_unscale", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_a_global_norm_beyond_float32_counts_as_non_finite(fuse_unscale, fused):
+  # Every gradient is finite (1e30), but their norm overflows float32, where optax's
+  # clipping would divide by inf: the step is skipped, like an overflow.
+  params = {"w": jnp.ones(4)}
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(4.0),
+                        fuse_unscale=fuse_unscale, clip_by_global_norm=1.0)
+  state = tx.init(params)
+  grads = {"w": jnp.full(4, 4e30)}
+  assert bool(jls.all_finite(grads))
+  if fused:
+    new_params, new_state = tx.apply_gradients(grads, state, params)
+  else:
+    updates, new_state = tx.update(grads, state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.zeros(4)})
+    new_params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 2.0
+
+
+@pytest.mark.parametrize("fuse_unscale", [False, True])
+def test_clipping_float16_gradients_squares_them_in_float32(fuse_unscale):
+  # Unscaled float16 gradients of 300: their squares overflow float16, not the norm.
+  params = {"w": jnp.zeros(64, jnp.float16)}
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(4.0),
+                        fuse_unscale=fuse_unscale, clip_by_global_norm=1.0)
+  updates, state = tx.update({"w": jnp.full(64, 1200.0, jnp.float16)}, tx.init(params), params)
+  assert bool(state.last_applied)
+  np.testing.assert_allclose(np.asarray(updates["w"], np.float64), -300 / np.sqrt(64 * 300**2),
+                             rtol=2**-10)
+
+
+def test_clip_by_global_norm_under_vmap_clips_and_skips_per_member():
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(2.0), clip_by_global_norm=1.0)
+  params = {"w": jnp.zeros((3, 2))}
+  grads = {"w": jnp.array([[0.6, 0.8], [6.0, 8.0], [jnp.nan, 1.0]])}
+  states = jax.vmap(tx.init)(params)
+  updates, states = jax.vmap(tx.update)(grads, states, params)
+  np.testing.assert_allclose(updates["w"], [[-0.3, -0.4], [-0.6, -0.8], [0.0, 0.0]], rtol=1e-6)
+  assert list(np.asarray(states.skipped_steps)) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1", jnp.ones(2)])
+def test_clip_by_global_norm_rejects_a_bad_value(bad):
+  with pytest.raises(ValueError, match="clip_by_global_norm"):
+    jls.loss_scaling(optax.sgd(0.1), clip_by_global_norm=bad)
+
+
 # --- composition -------------------------------------------------------------------
 
 
@@ -460,8 +618,10 @@ def test_non_array_leaves_pass_through_as_in_equinox_modules():
 # --- jit, donation, tracing --------------------------------------------------------
 
 
-def test_donated_step_runs_without_any_host_transfer():
-  tx = jls.loss_scaling(optax.adam(1e-3))
+@pytest.mark.parametrize("options", [{}, {"fuse_unscale": True, "clip_by_global_norm": 1.0}],
+                         ids=["default", "fuse_unscale_and_clip"])
+def test_donated_step_runs_without_any_host_transfer(options):
+  tx = jls.loss_scaling(optax.adam(1e-3), **options)
   step = make_step(tx, donate_argnums=(0, 1))
   params, state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
   data = batches(4)

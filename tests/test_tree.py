@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_lossscale as jls
@@ -98,3 +99,32 @@ def test_max_magnitude_of_huge_values_of_both_signs_and_complex_leaves():
   assert _tree.max_magnitude_per_dtype(
       {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16), "d": None},
       _tree.max_magnitude) == [2.0, 1.0]
+
+
+def test_global_norm_is_optax_norm_for_float32_and_squares_narrow_leaves_in_float32():
+  from jax_lossscale import _tree
+
+  rng = np.random.default_rng(0)
+  f32 = {"a": jnp.asarray(rng.normal(size=(7, 9)), jnp.float32), "b": jnp.arange(5.0)}
+  chex.assert_trees_all_equal(_tree.global_norm(f32), optax.tree.norm(f32))
+  # float16 squares overflow beyond 256; the norm does not.
+  mixed = {"h": jnp.full(4, 300.0, jnp.float16), "i": jnp.arange(3), "n": None, "s": "name"}
+  norm = _tree.global_norm(mixed)
+  assert norm.dtype == jnp.float32 and float(norm) == 600.0
+  assert float(_tree.global_norm({})) == 0.0 and _tree.global_norm({}).dtype == jnp.float32
+  assert not np.isfinite(float(_tree.global_norm([jnp.ones(3).at[1].set(jnp.nan)])))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_by_norm_is_optax_clip_by_global_norm_with_the_norm_given(max_norm):
+  from jax_lossscale import _tree
+
+  tree = {"a": jnp.linspace(-3.0, 3.0, 11), "b": jnp.ones((2, 3))}
+  expected, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+  got = jax.jit(lambda t: _tree.clip_by_norm(t, _tree.global_norm(t), max_norm))(tree)
+  chex.assert_trees_all_equal(got, jax.jit(lambda t: optax.clip_by_global_norm(
+      max_norm).update(t, optax.EmptyState())[0])(tree))
+  chex.assert_trees_all_close(got, expected, rtol=1e-6)
+  # A float16 leaf is divided in float32: a norm beyond float16's range is fine.
+  clipped = _tree.clip_by_norm({"h": jnp.full(2, 3e4, jnp.float16)}, jnp.float32(1e5), max_norm)
+  np.testing.assert_allclose(np.float32(clipped["h"]), 3e4 / 1e5 * max_norm, rtol=1e-3)
