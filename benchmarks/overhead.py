@@ -13,6 +13,13 @@ leaves, for:
                jnp.where on parameters and optimizer state
   apply_if_finite  optax.apply_if_finite(adam) after a manual unscale
 
+With --clip every optimizer is chain(clip_by_global_norm(1.0), adam), and two more
+variants pass the clipping to loss_scaling(adam, clip_by_global_norm=1.0), whose
+one norm reduction is also the finiteness check:
+
+  jls.apply_gradients(clip_by_global_norm)
+  jls.apply_gradients(fuse_unscale, clip_by_global_norm)
+
 Reports the median time ratio to `plain`, the ratio of XLA's `cost_analysis()` bytes
 accessed, and the temporaries of the donated step from `memory_analysis()`. jmp and
 flax come with the `bench` extra; a missing anchor is left out. Example:
@@ -42,8 +49,14 @@ def make_params(n: int, leaves: int) -> dict:
   return {f"leaf_{i:03d}": jnp.full((s,), 0.5, jnp.float32) for i, s in enumerate(sizes)}
 
 
-def variants(inner: optax.GradientTransformation) -> dict:
-  """name -> (init(params) -> state, step(params, state, grads) -> (params, state))."""
+def variants(optimizer: optax.GradientTransformation, clip_norm: float | None = None) -> dict:
+  """name -> (init(params) -> state, step(params, state, grads) -> (params, state)).
+
+  Every variant runs `optimizer`, after `clip_by_global_norm(clip_norm)` if given.
+  """
+  inner = optimizer
+  if clip_norm is not None:
+    inner = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 
   def plain_step(params, state, grads):
     updates, state = inner.update(grads, state, params)
@@ -69,6 +82,11 @@ def variants(inner: optax.GradientTransformation) -> dict:
       "jls.apply_gradients": (tx.init, jls_fused_step),
       "jls.apply_gradients(fuse_unscale)": (fusing.init, jls_fused_unscale_step),
   }
+  if clip_norm is not None:
+    for name, fuse in [("clip_by_global_norm", False), ("fuse_unscale, clip_by_global_norm", True)]:
+      shared = jls.loss_scaling(optimizer, fuse_unscale=fuse, clip_by_global_norm=clip_norm)
+      out[f"jls.apply_gradients({name})"] = (
+          shared.init, lambda p, s, g, tx=shared: tx.apply_gradients(g, s, p))
 
   try:
     import jmp
@@ -144,11 +162,11 @@ def analyse(compiled) -> tuple[float, int]:
   return float(cost["bytes accessed"]), int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def measure(n: int, leaves: int, inner, reps: int, seed: int = 0) -> dict:
+def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0) -> dict:
   params = make_params(n, leaves)
   grads = jax.tree.map(lambda p: p * 1e-3, params)
   runs = {}
-  for name, (init, step) in variants(inner).items():
+  for name, (init, step) in variants(optimizer, clip_norm).items():
     jitted = jax.jit(step, donate_argnums=(0, 1))
     state = init(params)
     compiled = jitted.lower(params, state, grads).compile()
@@ -192,23 +210,21 @@ def main(argv=None) -> None:
   parser.add_argument("--json", help="also write the results to this file")
   args = parser.parse_args(argv)
 
-  inner = optax.adam(1e-3)
-  if args.clip:
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  clip_norm = 1.0 if args.clip else None
   device = jax.devices()[0]
   machine = platform.processor() or platform.machine()
   print(f"# {device.platform.upper()} {device.device_kind}, {machine}, "
         f"jax {jax.__version__}, optax {optax.__version__}, inner="
         f"{'clip+adam' if args.clip else 'adam'}; ratios vs plain, same process, interleaved")
-  header = f"{'params':>8s} {'leaves':>6s} {'variant':>33s} {'ms':>8s} {'time×':>6s} " \
+  header = f"{'params':>8s} {'leaves':>6s} {'variant':>53s} {'ms':>8s} {'time×':>6s} " \
            f"{'bytes×':>7s} {'temps MB':>9s} {'temps/params':>12s}"
   print(header)
   results = []
   for n in args.params:
     for leaves in args.leaves:
-      row = measure(int(n), leaves, inner, args.reps)
+      row = measure(int(n), leaves, optax.adam(1e-3), clip_norm, args.reps)
       for name, r in row.items():
-        print(f"{int(n):8.0e} {leaves:6d} {name:>33s} {r['median_ms']:8.2f} "
+        print(f"{int(n):8.0e} {leaves:6d} {name:>53s} {r['median_ms']:8.2f} "
               f"{r['time_ratio']:6.2f} {r['bytes_ratio']:7.3f} {r['temps_bytes'] / 1e6:9.1f} "
               f"{r['temps_vs_params']:12.2f}")
       results.append({"params": int(n), "leaves": leaves, "results": row})
