@@ -176,12 +176,7 @@ def loss_scaling(
       largest = [norm]
     else:
       # Finite after unscaling exactly when the largest magnitudes are, unscaled.
-      # Without `fuse_unscale` the check keeps the form the control-run tests pin:
-      # fused into the optimizer's loops (under `jnp.where`), even a different
-      # reduction feeding the predicate can change how LLVM vectorizes and
-      # contracts the optimizer's own arithmetic.
-      magnitude = _tree.max_magnitude if fuse_unscale else _tree.abs_max
-      largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads, magnitude))
+      largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads))
     if loss is None:
       (grads_finite,), loss_finite = _tree.agreed_all_finite([largest], axis_name), None
     else:

@@ -250,6 +250,25 @@ def test_a_single_bad_element_skips_with_zero_updates_and_untouched_inner_state(
   chex.assert_tree_all_finite(optax.apply_updates(PARAMS, updates))
 
 
+@pytest.mark.parametrize("options", [{}, {"fuse_unscale": True}, {"clip_by_global_norm": 1.0}],
+                         ids=["default", "fuse_unscale", "clip_by_global_norm"])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_a_nan_in_a_large_float32_leaf_skips_the_step(options, fused):
+  # XLA:CPU drops NaN from float32 max-reductions of 4096 elements or more.
+  params = {"w": jnp.zeros((128, 128)), "b": jnp.zeros(8)}
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0), **options)
+  state = tx.init(params)
+  grads = {"w": jnp.ones((128, 128)).at[77, 3].set(jnp.nan), "b": jnp.ones(8)}
+  if fused:
+    new_params, new_state = jax.jit(tx.apply_gradients)(grads, state, params)
+  else:
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 4.0
+
+
 def test_counters_track_total_and_consecutive_skips():
   data = batches(7)
   poisoned = [data[0], poison(data[1]), poison(data[2]), data[3], poison(data[4]), data[5]]

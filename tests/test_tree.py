@@ -69,7 +69,7 @@ def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
   assert out["f"] is jax.nn.relu and float(out["x"][0]) == 0
 
 
-# --- the one-pass largest magnitude used by `fuse_unscale` ---------------------------
+# --- the one-pass largest magnitude behind every check ---------------------------------
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
@@ -89,6 +89,34 @@ def test_max_magnitude_is_not_finite_for_a_bad_value_anywhere(dtype, shape, bad)
     assert not np.isfinite(float(f(jnp.asarray(x.reshape(shape), dtype)))), position
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(4096,), (64, 64), (100_003,), (7, 70_001)])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
+  # XLA:CPU (jax 0.10.2) drops NaN from float32 max-reductions of 4096 elements or
+  # more (`jnp.max` returns the largest other value), so no check may rely on a max
+  # propagating NaN.
+  from jax_lossscale import _tree
+
+  n = int(np.prod(shape))
+  checks = {
+      "max_magnitude": jax.jit(lambda x: ~jnp.isfinite(_tree.max_magnitude(x))),
+      "all_finite": jax.jit(lambda x: ~jls.all_finite({"g": [x]})),
+      "per_dtype": jax.jit(lambda x: ~jnp.isfinite(_tree.max_magnitude_per_dtype([x, x])[0])),
+  }
+  for position in (0, n // 2, n - 1):
+    x = jnp.full(n, 0.5, dtype).at[position].set(bad).reshape(shape)
+    for name, nonfinite in checks.items():
+      assert bool(nonfinite(x)), (name, position)
+
+
+def test_a_nan_among_thousands_of_leaves_is_not_lost():
+  # Per-leaf maxima are combined with one more max-reduction, over as many values.
+  leaves = [jnp.full((), 0.5) for _ in range(4100)]
+  leaves[1234] = jnp.array(jnp.nan)
+  assert not bool(jls.all_finite(leaves))
+
+
 def test_max_magnitude_of_huge_values_of_both_signs_and_complex_leaves():
   from jax_lossscale import _tree
 
@@ -97,8 +125,8 @@ def test_max_magnitude_of_huge_values_of_both_signs_and_complex_leaves():
       jnp.float32(3.2e38))
   assert float(_tree.max_magnitude(jnp.array([3 + 4j, -1j], jnp.complex64))) == 5.0
   assert _tree.max_magnitude_per_dtype(
-      {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16), "d": None},
-      _tree.max_magnitude) == [2.0, 1.0]
+      {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16), "d": None}
+  ) == [2.0, 1.0]
 
 
 def test_global_norm_is_optax_norm_for_float32_and_squares_narrow_leaves_in_float32():
