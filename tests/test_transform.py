@@ -76,6 +76,41 @@ def run(tx, data, params=PARAMS, loss=loss_fn):
 # --- PyTorch's harness: a control run that skips the same batch -----------------------
 
 
+def run_poisoned(tx, init_params, loss, data, k, fused):
+  """Runs `tx` over `data` with batch `k` poisoned; checks params stay finite."""
+  grad_fn = jls.scaled_value_and_grad(loss)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    _, grads = grad_fn(opt_state, params, *batch)
+    if fused:
+      return tx.apply_gradients(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
+  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
+    params, opt_state = step(params, opt_state, batch)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+  return params, opt_state
+
+
+def control_run(inner, init_params, loss, data):
+  """`inner` without loss scaling over `data`: `(params, inner_state)`."""
+  step, params, state = plain_step(inner, loss), init_params, inner.init(init_params)
+  for batch in data:
+    params, state = step(params, state, batch)
+  return params, state
+
+
+def clipped_control_run(inner, max_norm, init_params, loss, data):
+  params, state = control_run(optax.chain(optax.clip_by_global_norm(max_norm), inner),
+                              init_params, loss, data)
+  return params, state[1]
+
+
+
+
 @pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adam(1e-2),
                                    optax.adamw(1e-2, weight_decay=1e-3)],
                          ids=["sgd", "adam", "adamw"])
@@ -141,25 +176,9 @@ def test_fuse_unscale_skips_like_a_control_run_and_agrees_to_the_last_bits(
   data, k = batches(12, outputs=outputs), 5
   tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3),
                         fuse_unscale=True)
-  grad_fn = jls.scaled_value_and_grad(loss)
+  params, opt_state = run_poisoned(tx, init_params, loss, data, k, fused)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
-    _, grads = grad_fn(opt_state, params, *batch)
-    if fused:
-      return tx.apply_gradients(grads, opt_state, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
-  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
-    params, opt_state = step(params, opt_state, batch)
-    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
-
-  control_step = plain_step(inner, loss)
-  control_params, control_state = init_params, inner.init(init_params)
-  for batch in data[:k] + data[k + 1:]:
-    control_params, control_state = control_step(control_params, control_state, batch)
+  control_params, control_state = control_run(inner, init_params, loss, data[:k] + data[k + 1:])
   # The same steps are skipped and the scale follows the same trajectory; the
   # values differ at most by how the compiler contracted multiply-adds.
   assert float(opt_state.loss_scale()) == 2.0**10 * 2.0**3 * 0.5
@@ -320,33 +339,6 @@ def test_gradients_are_unscaled_with_the_scale_that_produced_them():
 
 
 # --- clipping that shares the finiteness check's reduction ---------------------------
-
-
-def run_poisoned(tx, init_params, loss, data, k, fused):
-  """Runs `tx` over `data` with batch `k` poisoned; checks params stay finite."""
-  grad_fn = jls.scaled_value_and_grad(loss)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
-    _, grads = grad_fn(opt_state, params, *batch)
-    if fused:
-      return tx.apply_gradients(grads, opt_state, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  params, opt_state = jax.tree.map(jnp.copy, init_params), tx.init(init_params)
-  for batch in data[:k] + [poison(data[k])] + data[k + 1:]:
-    params, opt_state = step(params, opt_state, batch)
-    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
-  return params, opt_state
-
-
-def clipped_control_run(inner, max_norm, init_params, loss, data):
-  clipped = optax.chain(optax.clip_by_global_norm(max_norm), inner)
-  step, params, state = plain_step(clipped, loss), init_params, clipped.init(init_params)
-  for batch in data:
-    params, state = step(params, state, batch)
-  return params, state[1]
 
 
 CLIP_INNERS = pytest.mark.parametrize(
