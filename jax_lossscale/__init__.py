@@ -13,18 +13,19 @@ from jax_lossscale._loss_scale import NoOpLossScale
 from jax_lossscale._managers import ExponentialUpdateLossScaleManager
 from jax_lossscale._managers import FixedLossScaleManager
 from jax_lossscale._managers import LossScaleManager
+from jax_lossscale._monitoring import LossScaleStuckError
+from jax_lossscale._monitoring import get_loss_scale
+from jax_lossscale._monitoring import metrics
+from jax_lossscale._monitoring import raise_if_stuck
 from jax_lossscale._serialization import deserialize
 from jax_lossscale._serialization import get
 from jax_lossscale._serialization import serialize
-from jax_lossscale._transform import LossScaleStuckError
 from jax_lossscale._transform import LossScalingState
-from jax_lossscale._transform import get_loss_scale
+from jax_lossscale._transform import LossScalingTransformation
 from jax_lossscale._transform import loss_scaling
-from jax_lossscale._transform import metrics
-from jax_lossscale._transform import raise_if_stuck
-from jax_lossscale._transform import scaled_value_and_grad
 from jax_lossscale._tree import all_finite
 from jax_lossscale._tree import select_tree
+from jax_lossscale._value_and_grad import scaled_value_and_grad
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = (
     "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
+    "LossScalingTransformation",
     "NoOpLossScale",
     "all_finite",
     "deserialize",

@@ -30,7 +30,8 @@ def nonfinite_leaves(tree: Any) -> Any:
   leaves give False; `None` leaves stay `None`.
   """
   return jax.tree.map(
-      lambda x: ~_tree.local_all_finite(x) if _tree.is_float_array(x) else jnp.array(False),
+      lambda x: ~jnp.isfinite(_tree.largest_magnitude(x)) if _tree.is_float_array(x)
+      else jnp.array(False),
       tree,
   )
 

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
-import numbers
+import inspect
 from typing import Any
 from typing import ClassVar
+from typing import Literal
 from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _rounding
 from jax_lossscale import _tree
+from jax_lossscale import _validation
 
 _T = TypeVar("_T", bound="LossScale")
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def state_field() -> Any:
@@ -50,14 +51,14 @@ def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   keys = tuple(jax.tree_util.GetAttrKey(n) for n in state_names)
 
   def flatten_with_keys(obj):
-    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, state_names, strict=False))
+    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, state_names, strict=True))
     return children, tuple(getattr(obj, n) for n in static_names)
 
   def unflatten(static, children):
     obj = object.__new__(cls)
-    for name, value in zip(static_names, static, strict=False):
+    for name, value in zip(static_names, static, strict=True):
       object.__setattr__(obj, name, value)
-    for name, value in zip(state_names, children, strict=False):
+    for name, value in zip(state_names, children, strict=True):
       object.__setattr__(obj, name, value)
     return obj
 
@@ -71,29 +72,16 @@ def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   return cls
 
 
-def check_real(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"`{name}` must be a real number, got {value!r} ({type(value).__name__}).")
-  value = float(value)
-  if not math.isfinite(value):
-    raise ValueError(f"`{name}` must be finite, got {value!r}.")
-  return value
+def with_state(loss_scale: _T, **state: Any) -> _T:
+  """`loss_scale` with new state leaves: `dataclasses.replace` without re-validation.
 
-
-def check_scale_at_least_one(name: str, value: Any) -> float:
-  """A fixed or initial loss scale: a finite real number >= 1 (TensorFlow's rule)."""
-  checked = check_real(name, value)
-  if checked < 1:
-    raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
-  return checked
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
-  if value < minimum:
-    raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}.")
-  return int(value)
+  Used for the results of `update`, whose state comes from the previous state, so it
+  never pulls traced or on-device values back to the host to check them.
+  """
+  leaves = [state.pop(name, getattr(loss_scale, name)) for name in loss_scale._state_names]
+  if state:
+    raise TypeError(f"Unknown state fields {sorted(state)}.")
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(loss_scale), leaves)
 
 
 def _scalar(value: Any, dtype) -> np.ndarray:
@@ -109,6 +97,18 @@ def _format(value: Any) -> str:
     value = np.asarray(value)
     return repr(value.item()) if value.ndim == 0 else f"{value.dtype}{list(value.shape)}"
   return repr(value)
+
+
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two float32 factors whose product with a value divides it by `scale`.
+
+  `(1, 1 / scale)`, except above 2**126, where `1 / scale` would be a float32
+  subnormal that XLA flushes to zero: there `(2**-64, 2**64 / scale)`. Both are exact
+  when `scale` is a power of two; otherwise the reciprocal adds one rounding.
+  """
+  scale = jnp.asarray(scale, jnp.float32)
+  pre = jnp.where(scale > 2.0**126, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return pre, 1 / (scale * pre)
 
 
 class LossScale(abc.ABC):
@@ -137,24 +137,27 @@ class LossScale(abc.ABC):
   def scale(self, tree: Any) -> Any:
     """Multiplies every floating leaf of `tree` by the loss scale, keeping its dtype.
 
-    The product is computed in float32 (or wider) and cast back, so a float16 loss
-    stays float16. `None` and non-floating leaves pass through untouched.
+    The product is computed in float32 (float64 for float64 leaves) and cast back, so
+    a float16 loss stays float16. `None` and non-floating leaves pass through.
     """
     factor = self()
-    return _tree.map_float_leaves(lambda x: _times(x, factor), tree)
+    return _tree.map_float_leaves(lambda x: _tree.multiply(x, factor), tree)
+
+  def unscale_factors(self) -> tuple[jax.Array, ...]:
+    """The float32 factors `unscale` multiplies by (see `reciprocal`); `()` for none."""
+    return reciprocal(self())
 
   def unscale(self, tree: Any) -> Any:
     """Divides every floating leaf of `tree` by the loss scale, keeping its dtype.
 
-    The quotient is correctly rounded whatever the scale (see `exact_divide`),
-    computed in float32 (or wider, for float64 leaves) and cast back to the leaf's
-    dtype. `None` and non-floating leaves pass through untouched.
+    Multiplies by the reciprocal of the scale, as TensorFlow and PyTorch do: exact
+    for every power-of-two scale (all that `DynamicLossScale` reaches with its
+    default factors), within one more rounding otherwise, and correct for scales up
+    to the largest float32. Computed in float32 (float64 for float64 leaves) and cast
+    back to each leaf's dtype. `None` and non-floating leaves pass through.
     """
-    # A true division, never a multiply by the reciprocal: the compiler may contract
-    # such a multiply into the optimizer's fused multiply-adds, which round
-    # differently, and a scaled run would no longer equal an unscaled one bit for bit.
-    factor = self()
-    return _tree.map_float_leaves(lambda x: _divide(x, factor), tree)
+    factors = self.unscale_factors()
+    return _tree.map_float_leaves(lambda x: _tree.multiply(x, *factors), tree)
 
   def update(self: _T, grads: Any, axis_name: _tree.AxisName = None) -> tuple[_T, jax.Array]:
     """Updates the loss scale from the unscaled gradients of one step.
@@ -173,9 +176,17 @@ class LossScale(abc.ABC):
     """
     return self.adjust(_tree.all_finite(grads, axis_name))
 
-  @abc.abstractmethod
   def adjust(self: _T, grads_finite: Any) -> tuple[_T, jax.Array]:
-    """Like `update`, given the finiteness of the gradients as a boolean scalar."""
+    """Like `update`, given the finiteness of the gradients as a boolean scalar.
+
+    Raises:
+      ValueError: if `grads_finite` is not a boolean scalar.
+    """
+    return self._adjust(_validation.flag("grads_finite", grads_finite))
+
+  @abc.abstractmethod
+  def _adjust(self: _T, finite: jax.Array) -> tuple[_T, jax.Array]:
+    """`adjust` for a validated boolean scalar array."""
 
   def get_config(self) -> dict[str, Any]:
     """Returns the constructor arguments as a JSON-serialisable dict.
@@ -187,7 +198,21 @@ class LossScale(abc.ABC):
 
   @classmethod
   def from_config(cls: type[_T], config: dict[str, Any]) -> _T:
-    """Creates a loss scale from the dict returned by `get_config`."""
+    """Creates a loss scale from the dict returned by `get_config`.
+
+    Raises:
+      ValueError: for a key that is not a constructor argument of the config (the
+        state is not part of a config), or for a bad value.
+    """
+    if not isinstance(config, dict):
+      raise ValueError(f"`config` must be a dict, got {config!r}.")
+    allowed = [name for name in inspect.signature(cls).parameters
+               if name not in cls._state_names and name != "_"]
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+      raise ValueError(
+          f"Unknown {cls.__name__} config keys {unknown}; a config holds only "
+          f"{allowed} (the state is restored from checkpoints, not configs).")
     return cls(**config)
 
   def __eq__(self, other: object) -> bool:
@@ -206,39 +231,6 @@ class LossScale(abc.ABC):
     parts = [f"{n}={_format(getattr(self, n))}" for n in self._static_names]
     parts += [f"{n}={_format(getattr(self, n))}" for n in self._state_names]
     return f"{type(self).__name__}({', '.join(parts)})"
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
-  return (x.astype(_compute_dtype(x.dtype)) * factor).astype(x.dtype)
-
-
-def _divide(x: jax.Array, factor: jax.Array) -> jax.Array:
-  return exact_divide(x.astype(_compute_dtype(x.dtype)), factor).astype(x.dtype)
-
-
-def unscale_by_reciprocal(loss_scale: LossScale, tree: Any, times: Any = None) -> Any:
-  """`loss_scale.unscale(tree)` as a multiplication by the reciprocal of the scale.
-
-  The same values as `unscale` when the scale is a power of two (every scale that
-  `DynamicLossScale` reaches with its default factors), otherwise within one more
-  rounding. Unlike a division, the compiler fuses it into whatever consumes it.
-
-  Args:
-    loss_scale: the scale the gradients were computed with.
-    tree: the scaled gradients.
-    times: an optional float32 scalar folded into the same one multiplication (a
-      clipping factor); where it is 1 the result is exactly the unscaled tree.
-  """
-  factor = None if isinstance(loss_scale, NoOpLossScale) else 1 / loss_scale()
-  if times is not None:
-    factor = times if factor is None else factor * times
-  if factor is None:
-    return tree
-  return _tree.map_float_leaves(lambda x: _times(x, factor), tree)
 
 
 def exact_divide(x: jax.Array, divisor: Any) -> jax.Array:
@@ -260,7 +252,7 @@ class NoOpLossScale(LossScale):
   """A loss scale of 1 that always applies: the choice for bfloat16 (e.g. on TPU).
 
   `scale` and `unscale` return their argument unchanged, so wrapping an optimizer
-  with it adds no work beyond the optional finiteness check.
+  with it adds no work beyond the finiteness check.
   """
 
   def __call__(self) -> jax.Array:
@@ -269,11 +261,14 @@ class NoOpLossScale(LossScale):
   def scale(self, tree: Any) -> Any:
     return tree
 
+  def unscale_factors(self) -> tuple[jax.Array, ...]:
+    return ()
+
   def unscale(self, tree: Any) -> Any:
     return tree
 
-  def adjust(self, grads_finite: Any) -> tuple[NoOpLossScale, jax.Array]:
-    del grads_finite
+  def _adjust(self, finite: jax.Array) -> tuple[NoOpLossScale, jax.Array]:
+    del finite
     return self, jnp.array(True)
 
 
@@ -283,27 +278,29 @@ class FixedLossScale(LossScale):
 
   The scale never changes, and `update` always says to apply the gradients: a fixed
   scale cannot react to overflow. (Inside `loss_scaling`, non-finite steps are still
-  skipped by default, so a NaN never reaches the parameters.)
+  skipped, so a NaN never reaches the parameters.)
 
   Args:
-    loss_scale_value: the scale, a real number >= 1. Too small a value lets float16
-      gradients underflow; too large a value causes inf or NaN.
+    loss_scale_value: the scale, a real number >= 1 that is finite in float32 (at
+      most about 3.4e38). Too small a value lets float16 gradients underflow; too
+      large a value causes inf or NaN.
 
   Raises:
-    ValueError: if `loss_scale_value` is not a real number, not finite, or below 1.
+    ValueError: if `loss_scale_value` is not a real number, is below 1, or is inf in
+      float32.
   """
 
   loss_scale_value: float
 
   def __post_init__(self):
-    value = check_scale_at_least_one("loss_scale_value", self.loss_scale_value)
+    value = _validation.scale("loss_scale_value", self.loss_scale_value, minimum=1.0)
     object.__setattr__(self, "loss_scale_value", value)
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
 
-  def adjust(self, grads_finite: Any) -> tuple[FixedLossScale, jax.Array]:
-    del grads_finite
+  def _adjust(self, finite: jax.Array) -> tuple[FixedLossScale, jax.Array]:
+    del finite
     return self, jnp.array(True)
 
 
@@ -323,15 +320,17 @@ class DynamicLossScale(LossScale):
     `max(scale * backoff_factor, min_loss_scale)` (TensorFlow's `scale / multiplier`
     when `backoff_factor` is not given).
 
-  The scale is stored and applied in float32 and never becomes inf, NaN or 0 (unless
-  `min_loss_scale=0`).
+  The scale is stored and applied in float32 and never becomes inf or NaN, nor 0
+  unless `min_loss_scale=0` (no floor). Every argument is checked as the dtype that
+  holds it: a value that is inf in float32, a factor that rounds to 1, a floor that
+  rounds to 0, a count beyond int32 is refused here, with its name.
 
   Args:
-    initial_loss_scale: the first scale; positive, finite, within [min, max].
+    initial_loss_scale: the first scale; positive, within [min, max].
     increment_period: finite steps in a row before the scale grows (>= 1).
     multiplier: growth factor (> 1).
-    backoff_factor: shrink factor in (0, 1); default `1 / multiplier`.
-    min_loss_scale: the floor (>= 0); 0 means no floor, as in PyTorch.
+    backoff_factor: shrink factor in (0, 1); default: divide by `multiplier`.
+    min_loss_scale: the floor: 0 (no floor, as in PyTorch) or a float32 normal.
     max_loss_scale: the cap; by default a growth whose result is not a finite
       float32 is refused (TensorFlow and PyTorch behaviour), so the scale stays a
       power of the multiplier.
@@ -340,8 +339,14 @@ class DynamicLossScale(LossScale):
       step backs off until a growth (or a finite step, see below) refills it.
     consecutive_hysteresis: refill the hysteresis on every finite step, so only
       non-finite steps in a row count (DeepSpeed's flag of that name).
+    factor_precision: how the scale is multiplied by `multiplier` and
+      `backoff_factor`. `"float32"` (TensorFlow, Keras, jmp, flax, Megatron): the
+      factors are rounded to float32 and the product is a float32 product.
+      `"float64"` (PyTorch's `GradScaler`): the float32 scale times the factor as a
+      double, rounded to float32, exactly as PyTorch computes it; needs an explicit
+      `backoff_factor`. The two agree for factors that are float32 numbers (2, 0.5).
     current_loss_scale, num_good_steps, hysteresis_left: the state (float32, int32,
-      int32 scalars). Leave them out to start from the initial state.
+      int32 arrays). Leave them out to start from the initial state.
 
   Raises:
     ValueError: naming the argument, for any value outside the ranges above.
@@ -356,85 +361,53 @@ class DynamicLossScale(LossScale):
   max_loss_scale: float | None = None
   hysteresis: int = 1
   consecutive_hysteresis: bool = False
+  factor_precision: Literal["float32", "float64"] = "float32"
   current_loss_scale: jax.Array = state_field()
   num_good_steps: jax.Array = state_field()
   hysteresis_left: jax.Array = state_field()
 
   def __post_init__(self):
-    setattr_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-    initial = check_real("initial_loss_scale", self.initial_loss_scale)
-    if initial <= 0:
-      raise ValueError(f"`initial_loss_scale` must be positive, got {self.initial_loss_scale!r}.")
-    period = check_int("increment_period", self.increment_period, 1)
-    multiplier = check_real("multiplier", self.multiplier)
-    if multiplier <= 1:
-      raise ValueError(f"`multiplier` must be > 1, got {self.multiplier!r}.")
-    backoff = self.backoff_factor
-    if backoff is not None:
-      backoff = check_real("backoff_factor", backoff)
-      if not 0 < backoff < 1:
-        raise ValueError(f"`backoff_factor` must be in (0, 1), got {self.backoff_factor!r}.")
-    minimum = check_real("min_loss_scale", self.min_loss_scale)
-    if minimum < 0:
-      raise ValueError(f"`min_loss_scale` must be >= 0, got {self.min_loss_scale!r}.")
-    maximum = self.max_loss_scale
-    if maximum is not None:
-      maximum = check_real("max_loss_scale", maximum)
-      if maximum < minimum:
-        raise ValueError(
-            f"`max_loss_scale` ({self.max_loss_scale!r}) must be >= `min_loss_scale` "
-            f"({self.min_loss_scale!r})."
-        )
-    if not minimum <= initial <= (_FLOAT32_MAX if maximum is None else maximum):
-      raise ValueError(
-          f"`initial_loss_scale` must lie in [min_loss_scale, max_loss_scale] = "
-          f"[{minimum!r}, {maximum!r}], got {self.initial_loss_scale!r}."
-      )
-    hysteresis = check_int("hysteresis", self.hysteresis, 1)
-    if not isinstance(self.consecutive_hysteresis, bool):
-      raise ValueError(
-          f"`consecutive_hysteresis` must be a bool, got {self.consecutive_hysteresis!r}."
-      )
-    for name, value in [
-        ("initial_loss_scale", initial), ("increment_period", period),
-        ("multiplier", multiplier), ("backoff_factor", backoff),
-        ("min_loss_scale", minimum), ("max_loss_scale", maximum),
-        ("hysteresis", hysteresis),
-    ]:
-      setattr_(name, value)
-    if self.current_loss_scale is None:
-      setattr_("current_loss_scale", _scalar(initial, np.float32))
-    if self.num_good_steps is None:
-      setattr_("num_good_steps", _scalar(0, np.int32))
-    if self.hysteresis_left is None:
-      setattr_("hysteresis_left", _scalar(hysteresis, np.int32))
+    checked = _check_dynamic_config(self)
+    for name, value in checked.items():
+      object.__setattr__(self, name, value)
+    state = {"current_loss_scale": (checked["initial_loss_scale"], np.float32),
+             "num_good_steps": (0, np.int32),
+             "hysteresis_left": (checked["hysteresis"], np.int32)}
+    for name, (initial, dtype) in state.items():
+      value = getattr(self, name)
+      object.__setattr__(self, name, _scalar(initial, dtype) if value is None
+                         else _check_state(self, name, value, dtype))
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def adjust(self, grads_finite: Any) -> tuple[DynamicLossScale, jax.Array]:
-    finite = jnp.asarray(grads_finite, jnp.bool_)
+  def _times(self, scale: jax.Array, factor: float) -> jax.Array:
+    if self.factor_precision == "float64":
+      return _rounding.times_double(scale, factor)
+    return scale * np.float32(factor)
+
+  def _adjust(self, finite: jax.Array) -> tuple[DynamicLossScale, jax.Array]:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     left = jnp.asarray(self.hysteresis_left, jnp.int32)
 
     grow = finite & (good + 1 >= self.increment_period)
-    grown = scale * self.multiplier
+    grown = self._times(scale, self.multiplier)
     if self.max_loss_scale is None:
       grown = jnp.where(jnp.isfinite(grown), grown, scale)
     else:
-      grown = jnp.minimum(grown, self.max_loss_scale)
+      grown = jnp.minimum(grown, np.float32(self.max_loss_scale))
 
     left_after_overflow = jnp.maximum(left - 1, 0)
     shrink = ~finite & (left_after_overflow == 0)
     if self.backoff_factor is None:
-      shrunk = exact_divide(scale, self.multiplier)
+      shrunk = exact_divide(scale, np.float32(self.multiplier))
     else:
-      shrunk = scale * self.backoff_factor
-    shrunk = jnp.maximum(shrunk, self.min_loss_scale)
+      shrunk = self._times(scale, self.backoff_factor)
+    shrunk = jnp.maximum(shrunk, np.float32(self.min_loss_scale))
 
     refill = grow | finite if self.consecutive_hysteresis else grow
-    new = dataclasses.replace(
+    new = with_state(
         self,
         current_loss_scale=jnp.where(grow, grown, jnp.where(shrink, shrunk, scale)),
         num_good_steps=jnp.where(finite & ~grow, good + 1, 0).astype(jnp.int32),
@@ -443,3 +416,80 @@ class DynamicLossScale(LossScale):
         ).astype(jnp.int32),
     )
     return new, finite
+
+
+def _check_dynamic_config(ls: DynamicLossScale) -> dict[str, Any]:
+  """The validated hyperparameters of a `DynamicLossScale`, by name."""
+  v = _validation
+  precision = ls.factor_precision
+  if precision not in ("float32", "float64"):
+    raise ValueError(
+        f"`factor_precision` must be 'float32' or 'float64', got {precision!r}.")
+  checked = {
+      "increment_period": v.integer("increment_period", ls.increment_period, 1),
+      "multiplier": v.growth_factor("multiplier", ls.multiplier),
+      "min_loss_scale": v.floor("min_loss_scale", ls.min_loss_scale),
+      "hysteresis": v.integer("hysteresis", ls.hysteresis, 1),
+      "consecutive_hysteresis": v.boolean("consecutive_hysteresis", ls.consecutive_hysteresis),
+      "backoff_factor": None,
+      "max_loss_scale": None,
+      "factor_precision": precision,
+  }
+  if ls.backoff_factor is not None:
+    backoff = checked["backoff_factor"] = v.shrink_factor("backoff_factor", ls.backoff_factor)
+    if precision == "float64" and backoff > 1 - 2.0**-24:
+      raise ValueError(
+          f"`backoff_factor` must be at most 1 - 2**-24 with factor_precision='float64', "
+          f"got {ls.backoff_factor!r}: some float32 scales times it round back to "
+          "themselves, so the loss scale would not back off.")
+  elif precision == "float64":
+    raise ValueError(
+        "factor_precision='float64' needs an explicit `backoff_factor` (PyTorch's "
+        "GradScaler multiplies by its backoff_factor; there is no division by the "
+        "multiplier).")
+  minimum = checked["min_loss_scale"]
+  if ls.max_loss_scale is not None:
+    maximum = checked["max_loss_scale"] = v.scale("max_loss_scale", ls.max_loss_scale)
+    if maximum < minimum:
+      raise ValueError(
+          f"`max_loss_scale` ({ls.max_loss_scale!r}) must be >= `min_loss_scale` "
+          f"({ls.min_loss_scale!r}).")
+  initial = checked["initial_loss_scale"] = v.scale("initial_loss_scale",
+                                                    ls.initial_loss_scale)
+  maximum = v.FLOAT32_MAX if checked["max_loss_scale"] is None else checked["max_loss_scale"]
+  if not minimum <= initial <= maximum:
+    raise ValueError(
+        f"`initial_loss_scale` must lie in [min_loss_scale, max_loss_scale] = "
+        f"[{minimum!r}, {checked['max_loss_scale']!r}], got {ls.initial_loss_scale!r}.")
+  return checked
+
+
+def _check_state(ls: DynamicLossScale, name: str, value: Any, dtype) -> Any:
+  """A state field given to the constructor: checked (and typed) when it is concrete."""
+  if name == "current_loss_scale":
+    high = _validation.FLOAT32_MAX if ls.max_loss_scale is None else ls.max_loss_scale
+    return check_state_values(name, value, dtype, ls.min_loss_scale, high)
+  high = ls.increment_period - 1 if name == "num_good_steps" else ls.hysteresis
+  return check_state_values(name, value, dtype, 0, high)
+
+
+def check_state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
+  """A state array given to a constructor, checked against `[low, high]` when concrete.
+
+  Traced and abstract values (under `jit`, `jax.eval_shape`) pass unchecked. Integer
+  state must hold whole numbers. Returns `value` in `dtype`.
+  """
+  values = _validation.concrete_values(value)
+  if values is None:
+    return value
+  ok = np.isfinite(values) & (values >= low) & (values <= high)
+  if np.issubdtype(dtype, np.integer):
+    ok &= np.round(values) == values
+    allowed = f"an integer in [{low}, {high}]"
+  else:
+    allowed = f"finite, within [{low!r}, {high!r}]"
+  if not np.all(ok):
+    raise ValueError(f"`{name}` must be {allowed}, got {_format(value)}.")
+  if isinstance(value, jax.Array):
+    return value.astype(dtype)
+  return np.asarray(values, dtype)

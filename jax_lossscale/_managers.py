@@ -10,7 +10,6 @@ step only when its gradients are finite.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 
 from jax_lossscale import _loss_scale
 from jax_lossscale import _serialization
+from jax_lossscale import _validation
 
 
 class LossScaleManager(_loss_scale.LossScale):
@@ -28,18 +28,24 @@ class LossScaleManager(_loss_scale.LossScale):
     """Returns the loss scale as a float32 scalar array."""
     return self()
 
-  @abc.abstractmethod
   def update_loss_scale(self, finite_grads: Any) -> LossScaleManager:
     """Returns the manager updated for one step.
 
     Args:
       finite_grads: boolean scalar (array or Python bool): whether all gradients of
         the step were finite.
-    """
 
-  def adjust(self, grads_finite: Any) -> tuple[LossScaleManager, jax.Array]:
-    finite = jnp.asarray(grads_finite, jnp.bool_)
-    return self.update_loss_scale(finite), finite
+    Raises:
+      ValueError: if `finite_grads` is not a boolean scalar.
+    """
+    return self._update(_validation.flag("finite_grads", finite_grads))
+
+  @abc.abstractmethod
+  def _update(self, finite: jax.Array) -> LossScaleManager:
+    """`update_loss_scale` for a validated boolean scalar array."""
+
+  def _adjust(self, finite: jax.Array) -> tuple[LossScaleManager, jax.Array]:
+    return self._update(finite), finite
 
 
 @_serialization.register
@@ -48,23 +54,24 @@ class FixedLossScaleManager(LossScaleManager):
   """A manager whose loss scale never changes.
 
   Args:
-    loss_scale: a real number >= 1.
+    loss_scale: a real number >= 1 that is finite in float32.
 
   Raises:
-    ValueError: if `loss_scale` is not a finite real number >= 1.
+    ValueError: if `loss_scale` is not a real number, is below 1, or is inf in
+      float32.
   """
 
   loss_scale_value: float
 
   def __init__(self, loss_scale: float):
-    value = _loss_scale.check_scale_at_least_one("loss_scale", loss_scale)
+    value = _validation.scale("loss_scale", loss_scale, minimum=1.0)
     object.__setattr__(self, "loss_scale_value", value)
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
 
-  def update_loss_scale(self, finite_grads: Any) -> FixedLossScaleManager:
-    del finite_grads
+  def _update(self, finite: jax.Array) -> FixedLossScaleManager:
+    del finite
     return self
 
   def get_config(self) -> dict[str, Any]:
@@ -87,11 +94,11 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
     grows by one and the good-step count resets.
 
   Args:
-    init_loss_scale: the first scale, a finite real number >= 1.
-    incr_every_n_steps: finite steps in a row needed to grow (>= 1).
-    decr_every_n_nan_or_inf: non-finite steps needed to shrink (>= 1).
-    incr_ratio: growth factor (> 1).
-    decr_ratio: shrink factor in (0, 1).
+    init_loss_scale: the first scale, a real number >= 1, finite in float32.
+    incr_every_n_steps: finite steps in a row needed to grow (>= 1, an int32).
+    decr_every_n_nan_or_inf: non-finite steps needed to shrink (>= 1, an int32).
+    incr_ratio: growth factor (> 1, also once rounded to float32).
+    decr_ratio: shrink factor in (0, 1), also once rounded to float32.
     current_loss_scale, num_good_steps, num_bad_steps: the state (float32, int32,
       int32 scalars); leave them out to start fresh.
 
@@ -109,42 +116,44 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   num_bad_steps: jax.Array = _loss_scale.state_field()
 
   def __post_init__(self):
-    init = _loss_scale.check_scale_at_least_one("init_loss_scale", self.init_loss_scale)
-    incr_every = _loss_scale.check_int("incr_every_n_steps", self.incr_every_n_steps, 1)
-    decr_every = _loss_scale.check_int(
-        "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1
-    )
-    incr_ratio = _loss_scale.check_real("incr_ratio", self.incr_ratio)
-    if incr_ratio <= 1:
-      raise ValueError(f"`incr_ratio` must be > 1, got {self.incr_ratio!r}.")
-    decr_ratio = _loss_scale.check_real("decr_ratio", self.decr_ratio)
-    if not 0 < decr_ratio < 1:
-      raise ValueError(f"`decr_ratio` must be in (0, 1), got {self.decr_ratio!r}.")
-    for name, value in [("init_loss_scale", init), ("incr_every_n_steps", incr_every),
-                        ("decr_every_n_nan_or_inf", decr_every), ("incr_ratio", incr_ratio),
-                        ("decr_ratio", decr_ratio)]:
+    v = _validation
+    checked = {
+        "init_loss_scale": v.scale("init_loss_scale", self.init_loss_scale, minimum=1.0),
+        "incr_every_n_steps": v.integer("incr_every_n_steps", self.incr_every_n_steps, 1),
+        "decr_every_n_nan_or_inf": v.integer(
+            "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1),
+        "incr_ratio": v.growth_factor("incr_ratio", self.incr_ratio),
+        "decr_ratio": v.shrink_factor("decr_ratio", self.decr_ratio),
+    }
+    for name, value in checked.items():
       object.__setattr__(self, name, value)
-    for name, value, dtype in [("current_loss_scale", init, np.float32),
-                               ("num_good_steps", 0, np.int32), ("num_bad_steps", 0, np.int32)]:
-      if getattr(self, name) is None:
-        object.__setattr__(self, name, np.asarray(value, dtype))
+    limits = {"current_loss_scale": (checked["init_loss_scale"], np.float32, 1.0,
+                                     v.FLOAT32_MAX),
+              "num_good_steps": (0, np.int32, 0, checked["incr_every_n_steps"] - 1),
+              "num_bad_steps": (0, np.int32, 0, checked["decr_every_n_nan_or_inf"] - 1)}
+    for name, (initial, dtype, low, high) in limits.items():
+      value = getattr(self, name)
+      if value is None:
+        value = np.asarray(initial, dtype)
+      else:
+        value = _loss_scale.check_state_values(name, value, dtype, low, high)
+      object.__setattr__(self, name, value)
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def update_loss_scale(self, finite_grads: Any) -> ExponentialUpdateLossScaleManager:
-    finite = jnp.asarray(finite_grads, jnp.bool_)
+  def _update(self, finite: jax.Array) -> ExponentialUpdateLossScaleManager:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)
 
     increase = finite & (good + 1 >= self.incr_every_n_steps)
     decrease = ~finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
-    grown = scale * self.incr_ratio
+    grown = scale * np.float32(self.incr_ratio)
     grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    shrunk = jnp.maximum(scale * self.decr_ratio, 1.0)
+    shrunk = jnp.maximum(scale * np.float32(self.decr_ratio), np.float32(1))
     changed = increase | decrease
-    return dataclasses.replace(
+    return _loss_scale.with_state(
         self,
         current_loss_scale=jnp.where(increase, grown, jnp.where(decrease, shrunk, scale)),
         num_good_steps=jnp.where(finite & ~changed, good + 1, 0).astype(jnp.int32),

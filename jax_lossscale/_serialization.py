@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_lossscale import _loss_scale
 
@@ -63,13 +64,23 @@ def get(identifier: Any) -> _loss_scale.LossScale | None:
   """
   if identifier is None or isinstance(identifier, _loss_scale.LossScale):
     return identifier
-  if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
+  if _is_real_scalar(identifier):
     return _loss_scale.FixedLossScale(identifier)
-  if identifier == "dynamic":
+  if isinstance(identifier, str) and identifier == "dynamic":
     return _loss_scale.DynamicLossScale()
   if isinstance(identifier, dict):
     return deserialize(identifier)
   raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}")
+
+
+def _is_real_scalar(x: Any) -> bool:
+  """A real number: Python, NumPy, or a concrete 0-d JAX/NumPy array (not a bool)."""
+  if isinstance(x, (bool, np.bool_)):
+    return False
+  if isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer):
+    return x.ndim == 0 and (np.issubdtype(x.dtype, np.integer)
+                            or np.issubdtype(x.dtype, np.floating))
+  return isinstance(x, numbers.Real)
 
 
 def _register_with_flax(cls: type[_loss_scale.LossScale]) -> None:

@@ -1,10 +1,16 @@
-"""Loss scaling as an optax `GradientTransformation`."""
+"""Loss scaling as an optax `GradientTransformation`.
+
+One step, in the order a reader meets it below: `decide` (one check of the scaled
+gradients, agreed across devices with one collective, and the next loss scale),
+`unscale` (a multiplication by the reciprocal of the scale, with any clipping folded
+into the same factor, traced inside the inner optimizer's own pass), `run_inner` (the
+wrapped optimizer, and the check of low-precision updates), then one of the two ways
+of emitting the result (`emit_by_cond` on CPU, `emit_by_where` elsewhere), and
+`next_state`.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -15,6 +21,7 @@ import optax
 from jax_lossscale import _loss_scale
 from jax_lossscale import _serialization
 from jax_lossscale import _tree
+from jax_lossscale import _validation
 
 
 class LossScalingState(NamedTuple):
@@ -29,9 +36,17 @@ class LossScalingState(NamedTuple):
     consecutive_skips: int32 scalar, the number of steps skipped in a row up to now
       (0 after an applied step).
     last_applied: bool scalar, whether the last step was applied.
-    nonfinite_loss_steps: int32 scalar, the number of steps skipped because the
-      (unscaled) loss passed as `loss=` was itself inf or NaN: a forward-pass
-      problem that no loss scale can cause or cure, so the scale is left alone.
+    nonfinite_loss_steps: int32 scalar, the steps skipped because the (unscaled)
+      loss passed as `loss=` was itself inf or NaN: a forward-pass problem that no
+      loss scale can cause or cure, so the scale is left alone.
+    nonfinite_update_steps: int32 scalar, the steps skipped because the inner
+      optimizer turned finite gradients into inf or NaN updates of low-precision
+      parameters (for example Adam's `eps=1e-8`, which is 0 in float16); the scale
+      is left alone.
+    consecutive_nonfinite_loss: int32 scalar, how many of the `consecutive_skips`
+      had a non-finite loss.
+    consecutive_nonfinite_updates: int32 scalar, how many of the `consecutive_skips`
+      had non-finite updates from finite gradients.
   """
 
   loss_scale: _loss_scale.LossScale
@@ -40,18 +55,43 @@ class LossScalingState(NamedTuple):
   consecutive_skips: jax.Array
   last_applied: jax.Array
   nonfinite_loss_steps: jax.Array
+  nonfinite_update_steps: jax.Array
+  consecutive_nonfinite_loss: jax.Array
+  consecutive_nonfinite_updates: jax.Array
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
   """What `loss_scaling` returns: an optax transformation with a fused step.
 
-  It is an `optax.GradientTransformationExtraArgs` (`init`, `update`) and composes
-  like one. `apply_gradients` also applies the updates, which lets a skipped step
-  leave parameters and optimizer state untouched without copying either.
+  A plain `optax.GradientTransformationExtraArgs` of two functions, `init` and
+  `update`; it composes like one (`optax.chain`, flax's `TrainState`,
+  `nnx.Optimizer`). `apply_gradients` also applies the updates, in one pass.
   """
+
+  @property
+  def init(self):
+    """`init(params) -> LossScalingState`: the initial state, around `inner.init`.
+
+    Raises:
+      ValueError: if the inner optimizer already contains a `loss_scaling`.
+    """
+    return tuple.__getitem__(self, 0)
+
+  @property
+  def update(self):
+    """`update(grads, state, params=None, *, loss=None, **extra_args)`.
+
+    Returns `(updates, new_state)` for the gradients of the scaled loss; see
+    `loss_scaling`. Updates of a skipped step are `-0.0`, so `optax.apply_updates`
+    leaves every parameter bit-identical.
+    """
+    return tuple.__getitem__(self, 1)
 
   def apply_gradients(self, grads, state, params, **extra_args):
     """`update` followed by `optax.apply_updates`, fused.
+
+    The fastest way to train: on CPU a skipped step does no work and the donated
+    parameters and optimizer state are updated in place.
 
     Args:
       grads: gradients of the scaled loss, as for `update`.
@@ -60,11 +100,14 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
       **extra_args: as for `update`, including `loss=`.
 
     Returns:
-      `(new_params, new_state)`: what `update` and `optax.apply_updates` give (bit
-      for bit unless `fuse_unscale` lets the compiler round differently), in one
-      pass over the parameters and the optimizer state.
+      `(new_params, new_state)`: what `update` and `optax.apply_updates` give (to
+      float rounding), in one pass over the parameters and the optimizer state.
     """
-    return self._apply_gradients(grads, state, params, **extra_args)
+    update = self.update
+    if isinstance(update, LossScaledUpdate):
+      return update.apply_gradients(grads, state, params, **extra_args)
+    updates, state = update(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
 
 
 def loss_scaling(
@@ -73,349 +116,314 @@ def loss_scaling(
     loss_scale: _loss_scale.LossScale | float | str | dict = _loss_scale.DynamicLossScale(),  # noqa: B008
     *,
     axis_name: _tree.AxisName = None,
-    skip_nonfinite: bool = True,
-    check_updates: bool = False,
-    fuse_unscale: bool = False,
     clip_by_global_norm: float | None = None,
 ) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
   `update(grads, state, params=None, *, loss=None, **extra_args)` takes the
-  gradients of the **scaled** loss (computed with `state.loss_scale`, e.g. by
+  gradients of the **scaled** loss (computed with the state's loss scale, e.g. by
   `scaled_value_and_grad`). It checks once whether they are finite once divided by
-  that scale, updates the loss scale, and runs `inner` on the unscaled gradients.
-  On a skipped step the updates are exactly zero and `inner_state` is returned
-  unchanged, so moments are not poisoned and step counts and schedules do not
-  advance. `apply_gradients(grads, state, params)` does the same and applies the
-  updates, in one pass (see `LossScalingTransformation`).
+  that scale, updates the loss scale, and runs `inner` on the unscaled gradients,
+  which are multiplied by the reciprocal of the scale inside `inner`'s own pass.
+  `apply_gradients(grads, state, params)` also applies the updates, in one pass.
 
-  A step is skipped when the loss scale says so (`should_apply` False) and, with
-  `skip_nonfinite=True`, whenever the unscaled gradients are not finite, whatever
-  the loss scale: even with a `FixedLossScale` no NaN ever reaches the parameters.
-  If `loss=` (the unscaled loss) is given and is not finite, the step is skipped,
-  the loss scale is left as it was, and `nonfinite_loss_steps` counts it.
+  A step is skipped when the unscaled gradients are not finite (whatever the loss
+  scale: even with a `FixedLossScale` no NaN ever reaches the parameters), when the
+  loss scale says so, when `loss=` (the unscaled loss) is given and is not finite,
+  and when `inner` turns finite gradients into inf or NaN updates of parameters
+  narrower than float32 (float16, bfloat16: for example Adam's `eps=1e-8` is 0 in
+  float16); that last check costs nothing for float32 parameters. A skipped step
+  returns updates of `-0.0` (the additive identity: `optax.apply_updates` then
+  leaves every parameter, even a `-0.0`, bit-identical) and leaves `inner_state`
+  exactly as it was, so moments are not poisoned and step counts and schedules do
+  not advance. Only an overflow changes the loss scale.
 
   Args:
-    inner: the optimizer to wrap, e.g. `optax.adam(1e-3)` or an `optax.chain`.
+    inner: the optimizer to wrap: an optax transformation such as
+      `optax.adam(1e-3)`, an `optax.chain` or `optax.MultiSteps`.
     loss_scale: a `LossScale`, or an identifier accepted by `jax_lossscale.get`
       (a number for a fixed scale, `"dynamic"`, or a serialized dict).
-    axis_name: inside `shard_map`/`pmap`, the mapped axis name (or tuple of names)
-      over which finiteness is agreed with one collective, so every replica skips
-      the same steps. Not needed under SPMD `jit` with global arrays.
-    skip_nonfinite: also skip non-finite steps that the loss scale would apply.
-    check_updates: also skip a step whose *updates* are not finite although the
-      gradients were, i.e. when the inner optimizer itself produces inf/NaN (for
-      example Adam on float16 parameters, whose `eps=1e-8` underflows to 0). Costs
-      one more pass over the updates (and a second collective with `axis_name`),
-      so it is off by default; the loss scale is not changed by such a step.
-    fuse_unscale: unscale the gradients inside the inner optimizer's own pass, by
-      multiplying with the reciprocal of the scale, instead of writing them out
-      first. Saves a write and a read of the gradients and a gradient-sized
-      temporary: with `apply_gradients` on CPU a step then reads the gradients
-      only once more than plain optax. The compiler may contract the unscaling
-      into the optimizer's multiply-adds, so results can differ from a run without
-      loss scaling in the last bits (and, for a scale that is not a power of two,
-      by the rounding of the reciprocal). Off by default, so that a run that skips
-      a step equals, bit for bit, an unscaled run that never saw that batch.
-    clip_by_global_norm: a positive `max_norm` to clip the unscaled gradients to
-      their global norm before `inner` sees them, as an
-      `optax.clip_by_global_norm(max_norm)` first in `inner` would, while the
-      norm's one reduction also decides finiteness: a step reads the gradients no
-      more often than plain clipped optax. A step then counts as non-finite when
-      that norm is: whenever a gradient is inf or NaN, and also when finite
-      gradients have a global norm beyond float32's range (above about 1.8e19),
-      which optax's clipping would turn into zero updates. With float32 gradients,
-      `apply_gradients` then equals, bit for bit, an unscaled run of
-      `chain(clip_by_global_norm(max_norm), inner)` that never saw the skipped
-      batches, and `update` equals clipping first inside `inner`; float16 and
-      bfloat16 gradients are squared and divided in float32. With `fuse_unscale`
-      the clip factor joins the unscaling multiplication. Inside `shard_map` or
-      `pmap` the norm is of this device's gradients, as optax's would be.
+    axis_name: for `shard_map`/`pmap` training steps, where each device holds its
+      own gradients (ZeRO/FSDP): the mapped axis name (or tuple of names) over which
+      finiteness is agreed with one collective, so every device skips the same
+      steps. Not needed under SPMD `jit` with global arrays.
+    clip_by_global_norm: for models trained with gradient clipping: a positive
+      `max_norm` to clip the unscaled gradients to, as
+      `optax.clip_by_global_norm(max_norm)` first in `inner` would (to float
+      rounding), but cheaper: the norm's one reduction is also the finiteness
+      check, and the clip factor joins the unscaling multiplication. A step then
+      also counts as an overflow when finite gradients have a global norm beyond
+      float32's range (above about 1.8e19), which optax's clip would turn into zero
+      updates; float16 and bfloat16 gradients are squared in float32. Inside
+      `shard_map` or `pmap` the norm is of this device's gradients, as optax's
+      would be. Around `optax.MultiSteps` it clips each micro-batch, whereas a clip
+      inside `MultiSteps` clips their average once per macro step.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` are
     passed on to `inner`.
+
+  Raises:
+    TypeError: if `inner` is not an optax transformation, or already is a
+      `loss_scaling`.
+    ValueError: for a bad `loss_scale` or `clip_by_global_norm`.
   """
+  inner = _check_inner(inner)
   initial = _serialization.get(loss_scale)
   if not isinstance(initial, _loss_scale.LossScale):
     raise ValueError(f"loss_scaling: `loss_scale` must not be None, got {loss_scale!r}.")
-  for name, flag in [("skip_nonfinite", skip_nonfinite), ("check_updates", check_updates),
-                     ("fuse_unscale", fuse_unscale)]:
-    if not isinstance(flag, bool):
-      raise ValueError(f"loss_scaling: `{name}` must be a bool, got {flag!r}.")
+  max_norm = None
   if clip_by_global_norm is not None:
-    max_norm = clip_by_global_norm
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-        or not 0 < max_norm < float("inf"):
+    max_norm = _validation.real("clip_by_global_norm", clip_by_global_norm)
+    if max_norm <= 0:
       raise ValueError(
-          "loss_scaling: `clip_by_global_norm` must be None or a positive finite "
-          f"number, got {max_norm!r}.")
-    max_norm = float(max_norm)
-  inner = optax.with_extra_args_support(inner)
+          f"`clip_by_global_norm` must be None or positive, got {clip_by_global_norm!r}.")
+  step = LossScaledUpdate(inner, initial, axis_name, max_norm)
+  return LossScalingTransformation(step.init, step)
 
-  def init_fn(params):
+
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+  if isinstance(inner, LossScalingTransformation) or isinstance(
+      getattr(inner, "update", None), LossScaledUpdate):
+    raise TypeError(
+        "loss_scaling: `inner` is already a loss_scaling transformation; wrapping it "
+        "again would unscale the gradients twice. Wrap the optimizer once: "
+        "loss_scaling(optax.adam(1e-3)).")
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    hint = ""
+    if callable(inner):
+      name = getattr(inner, "__qualname__", repr(inner))
+      hint = f" {name} is a function: did you forget to call it, e.g. optax.adam(1e-3)?"
+    raise TypeError(
+        "loss_scaling: `inner` must be an optax GradientTransformation (with `init` "
+        f"and `update`), such as optax.adam(1e-3), got {inner!r}.{hint}")
+  return optax.with_extra_args_support(inner)
+
+
+class LossScaledUpdate:
+  """The `update` of a `loss_scaling` transformation (and its fused form).
+
+  `update(grads, state, params=None, *, loss=None, **extra_args) -> (updates,
+  new_state)`:
+
+  Args:
+    grads: gradients of the **scaled** loss, computed with `state.loss_scale`.
+    state: the `LossScalingState` returned by `init` or the previous `update`.
+    params: the parameters, if `inner` needs them.
+    loss: optional, the unscaled loss of this step (any shape): a non-finite loss
+      skips the step without changing the loss scale and is counted in
+      `nonfinite_loss_steps`.
+    **extra_args: passed on to the inner transformation.
+
+  Returns:
+    `(updates, new_state)`; updates are `-0.0` on a skipped step.
+  """
+
+  def __init__(self, inner, initial, axis_name, max_norm):
+    self.inner, self.initial = inner, initial
+    self.axis_name, self.max_norm = axis_name, max_norm
+
+  def init(self, params) -> LossScalingState:
+    """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""
+    inner_state = self.inner.init(params)
+    if any(isinstance(x, LossScalingState) for x in jax.tree.leaves(
+        inner_state, is_leaf=lambda x: isinstance(x, LossScalingState))):
+      raise TypeError(
+          "loss_scaling: the inner optimizer already contains a loss_scaling "
+          "transformation; wrapping it again would unscale the gradients twice.")
     # Separate buffers for every field: a donated state must not alias itself.
-    zero = lambda: jnp.zeros([], jnp.int32)
+    zero = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
     return LossScalingState(
-        loss_scale=jax.tree.map(jnp.array, initial),
-        inner_state=inner.init(params),
+        loss_scale=jax.tree.map(jnp.array, self.initial),
+        inner_state=inner_state,
         skipped_steps=zero(),
         consecutive_skips=zero(),
         last_applied=jnp.ones([], jnp.bool_),
         nonfinite_loss_steps=zero(),
+        nonfinite_update_steps=zero(),
+        consecutive_nonfinite_loss=zero(),
+        consecutive_nonfinite_updates=zero(),
     )
 
-  def decide(grads, state, loss, norm):
-    """`(should_apply, new_loss_scale, loss_finite)` from the scaled gradients.
+  def __call__(self, grads, state, params=None, *, loss=None, **extra_args):
+    return self._step(grads, state, params, loss, extra_args, apply=False)
 
-    With clipping, `norm` is the global norm of the unscaled gradients, and its
-    finiteness decides; otherwise the largest magnitudes do.
-    """
-    loss_scale_ = state.loss_scale
-    if norm is not None:
-      largest = [norm]
+  def apply_gradients(self, grads, state, params, *, loss=None, **extra_args):
+    """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
+    return self._step(grads, state, params, loss, extra_args, apply=True)
+
+  def _step(self, grads, state, params, loss, extra_args, apply):
+    _check_state(state)
+    decision = decide(grads, state, loss, self.axis_name, self.max_norm)
+
+    def run():
+      return self.inner.update(unscale(grads, decision.factors), state.inner_state, params,
+                               **extra_args)
+
+    def check(updates):
+      return narrow_updates_finite(updates, self.axis_name)
+
+    if apply:
+      result, skipped = lambda updates: optax.apply_updates(params, updates), params
     else:
-      # Finite after unscaling exactly when the largest magnitudes are, unscaled.
-      largest = loss_scale_.unscale(_tree.max_magnitude_per_dtype(grads))
-    if loss is None:
-      (grads_finite,), loss_finite = _tree.agreed_all_finite([largest], axis_name), None
-    else:
-      grads_finite, loss_finite = _tree.agreed_all_finite([largest, loss], axis_name)
+      result = lambda updates: updates  # noqa: E731
+      skipped = _tree.negative_zeros_like(_tree.shapes_of(lambda: run()[0]), like=grads)
 
-    new_loss_scale, should_apply = loss_scale_.adjust(grads_finite)
-    if skip_nonfinite:
-      should_apply = should_apply & grads_finite
-    if loss_finite is not None:
-      # Scaling cannot cause or cure a non-finite forward pass: keep the scale.
-      new_loss_scale = _tree.select_tree(loss_finite, new_loss_scale, loss_scale_)
-      should_apply = should_apply & loss_finite
-    return should_apply, new_loss_scale, loss_finite
+    def by(emit):
+      return lambda: emit(decision.should_apply, run, check, result, skipped, state.inner_state)
 
-  def new_state(state, should_apply, new_loss_scale, new_inner_state, loss_finite):
-    return LossScalingState(
-        loss_scale=new_loss_scale,
-        inner_state=new_inner_state,
-        skipped_steps=jnp.where(
-            should_apply, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-        ),
-        consecutive_skips=jnp.where(
-            should_apply, 0, optax.safe_increment(state.consecutive_skips)
-        ),
-        last_applied=should_apply,
-        nonfinite_loss_steps=state.nonfinite_loss_steps
-        + (0 if loss_finite is None else jnp.logical_not(loss_finite).astype(jnp.int32)),
-    )
-
-  def step(grads, state, params, loss, extra_args, apply):
-    """The common step: updates (or new params when `apply`) and the new state."""
-    if fuse_unscale:  # traced inside the branch that applies the step
-      unscaled = lambda: _loss_scale.unscale_by_reciprocal(state.loss_scale, grads)  # noqa: E731
-    else:
-      # Unscaled outside any branch, so under `lax.cond` the optimizer reads them
-      # from memory exactly as it reads unscaled gradients. Fused into its loop,
-      # any extra operation changes how LLVM orders and contracts the optimizer's
-      # own arithmetic into multiply-adds (its operand ranking counts the depth of
-      # each operand), and the last bits of the result with it.
-      outside = state.loss_scale.unscale(grads)
-      unscaled = lambda: outside  # noqa: E731
-    # The clip's norm, reduced once outside any branch, is also the check.
-    norm = None if clip_by_global_norm is None else _tree.global_norm(unscaled())
-    should_apply, new_loss_scale, loss_finite = decide(grads, state, loss, norm)
-
-    def run_inner():
-      if norm is None:
-        gradients = unscaled()
-      elif fuse_unscale:
-        # One multiplication per element, by the reciprocal times the clip factor:
-        # no divided copy of the gradients for XLA to write out.
-        factor = jnp.where(norm < max_norm, 1, max_norm / norm).astype(jnp.float32)
-        gradients = _loss_scale.unscale_by_reciprocal(state.loss_scale, grads, factor)
-      else:
-        gradients = _tree.clip_by_norm(unscaled(), norm, max_norm)
-      return inner.update(gradients, state.inner_state, params, **extra_args)
-
-    def by_cond():  # only for `apply`: the skipped branch keeps params and state
-      def applied():
-        updates, new_inner_state = run_inner()
-        return optax.apply_updates(params, updates), new_inner_state
-      return _tree.cond(should_apply, applied, lambda: (params, state.inner_state)), should_apply
-
-    def by_where():
-      updates, new_inner_state = run_inner()
-      applied = should_apply
-      if check_updates:
-        applied = applied & _tree.all_finite(updates, axis_name)
-      if apply:
-        out = _tree.select_tree(applied, optax.apply_updates(params, updates), params)
-      else:
-        out = _tree.zeros_unless(applied, updates)
-      new_inner_state = _tree.select_tree(applied, new_inner_state, state.inner_state)
-      return (out, new_inner_state), applied
-
-    if apply and not check_updates:
-      # On CPU a branch lets the donated parameters and optimizer state be updated
-      # in place; `jnp.where` would make XLA copy them. Elsewhere `jnp.where` needs
-      # no branch on the device.
-      (out, new_inner_state), should_apply = _tree.through_arrays(
-          lambda cpu, default: jax.lax.platform_dependent(cpu=cpu, default=default),
-          by_cond, by_where)
-    else:
-      (out, new_inner_state), should_apply = by_where()
-    return out, new_state(state, should_apply, new_loss_scale, new_inner_state, loss_finite)
-
-  def update_fn(grads, state, params=None, *, loss=None, **extra_args):
-    return step(grads, state, params, loss, extra_args, apply=False)
-
-  def apply_fn(grads, state, params, *, loss=None, **extra_args):
-    return step(grads, state, params, loss, extra_args, apply=True)
-
-  tx = LossScalingTransformation(init_fn, update_fn)
-  tx._apply_gradients = apply_fn
-  return tx
+    out, inner_state, updates_finite = _tree.on_platform(
+        cpu=by(emit_by_cond), default=by(emit_by_where))
+    return out, next_state(state, decision, inner_state, updates_finite)
 
 
-def find_state(opt_state: Any) -> LossScalingState:
-  """Finds the one `LossScalingState` anywhere inside a (nested) optax state.
-
-  Looks through chains, `MultiSteps`, `inject_hyperparams`, `multi_transform` and
-  any other pytree of states.
-
-  Raises:
-    ValueError: if there is none, or more than one.
-  """
-  if isinstance(opt_state, LossScalingState):
-    return opt_state
-  found = [
-      leaf
-      for leaf in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, LossScalingState)
-      )
-      if isinstance(leaf, LossScalingState)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-        f"Expected exactly one loss_scaling state inside the optimizer state, found "
-        f"{len(found)}. Is the optimizer wrapped with jax_lossscale.loss_scaling?"
-    )
-  return found[0]
+def _check_state(state: Any) -> None:
+  if not isinstance(state, LossScalingState):
+    raise TypeError(
+        "`state` must be the LossScalingState returned by tx.init(params) (or by the "
+        f"previous update), got {type(state).__name__}: {state!r:.200}")
 
 
-def get_loss_scale(opt_state: Any) -> _loss_scale.LossScale:
-  """Returns the current `LossScale` found anywhere inside a nested optax state."""
-  return find_state(opt_state).loss_scale
+class Decision(NamedTuple):
+  """What `decide` found out about one step, before the inner optimizer runs.
 
-
-def metrics(opt_state: Any) -> dict[str, jax.Array]:
-  """Scalars for logging: `loss_scale`, `skipped_steps`, `consecutive_skips`,
-  `last_applied`, `nonfinite_loss_steps`.
-
-  Jittable; the values stay on device until the caller reads them.
-  """
-  state = find_state(opt_state)
-  return {
-      "loss_scale": state.loss_scale(),
-      "skipped_steps": state.skipped_steps,
-      "consecutive_skips": state.consecutive_skips,
-      "last_applied": state.last_applied,
-      "nonfinite_loss_steps": state.nonfinite_loss_steps,
-  }
-
-
-def scaled_value_and_grad(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any]]:
-  """Like `jax.value_and_grad`, for a loss that must be multiplied by the loss scale.
-
-  The returned function takes the loss scale first: either a `LossScale` or an
-  optimizer state containing a `loss_scaling` state (the scale is looked up in it).
-  It differentiates `loss_scale.scale(fun(...))` and returns the **unscaled** loss
-  (and aux) with the gradients of the **scaled** loss, ready for the `update` of a
-  `loss_scaling` transformation, which unscales them::
-
-      grad_fn = jax_lossscale.scaled_value_and_grad(loss_fn)
-      loss, grads = grad_fn(opt_state, params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-
-  Args:
-    fun: the loss function; returns a scalar (or `(scalar, aux)` with `has_aux`).
-    argnums: as in `jax.value_and_grad`.
-    has_aux: as in `jax.value_and_grad`.
-
-  Returns:
-    A function `(loss_scale_or_opt_state, *args, **kwargs) -> (value, grads)`.
+  Attributes:
+    should_apply: bool scalar: the gradients (and the loss) are finite and the loss
+      scale agrees to apply them.
+    loss_scale: the next loss scale if the updates turn out fine.
+    loss_finite: bool scalar, or `None` when no loss was given.
+    factors: the float32 scalars to multiply the scaled gradients by: the
+      reciprocal of the scale (see `_loss_scale.reciprocal`), times the clip factor.
   """
 
-  def scaled(loss_scale, *args, **kwargs):
-    out = fun(*args, **kwargs)
-    loss, aux = out if has_aux else (out, None)
-    return loss_scale.scale(loss), (loss, aux)
-
-  grad_fn = jax.value_and_grad(scaled, argnums=_shift(argnums), has_aux=True)
-
-  @functools.wraps(fun)
-  def wrapper(loss_scale_or_state, *args, **kwargs):
-    loss_scale = (
-        loss_scale_or_state
-        if isinstance(loss_scale_or_state, _loss_scale.LossScale)
-        else get_loss_scale(loss_scale_or_state)
-    )
-    (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return wrapper
+  should_apply: jax.Array
+  loss_scale: _loss_scale.LossScale
+  loss_finite: jax.Array | None
+  factors: tuple[jax.Array, ...]
 
 
-def _shift(argnums):
-  if isinstance(argnums, int):
-    return argnums + 1
-  return tuple(a + 1 for a in argnums)
+def decide(grads, state: LossScalingState, loss, axis_name, max_norm) -> Decision:
+  """Checks the scaled gradients once and chooses the next loss scale."""
+  loss_scale = state.loss_scale
+  factors = loss_scale.unscale_factors()
+  if max_norm is None:
+    # Finite after unscaling exactly when each dtype's largest magnitude is.
+    grads_finite = _tree.finite_after(_tree.largest_magnitudes(grads), *factors)
+  else:
+    # The clip's norm is also the check. It is taken of the scaled gradients (the
+    # kernel optax's clip uses; a factor inside it would make XLA:CPU write the
+    # factor out as an array) and unscaled as a scalar: for a power-of-two scale,
+    # exactly the norm of the unscaled gradients.
+    norm = _tree.multiply(_tree.global_norm(grads), *factors)
+    grads_finite = jnp.isfinite(norm)
+    # float16 and float8 gradients can overflow their dtype when unscaled by a
+    # scale below 1 while the float32 norm stays finite: check those exactly.
+    short = [x for x in _tree.float_leaves(grads) if _tree.has_short_range(x.dtype)]
+    if short:
+      grads_finite &= _tree.finite_after(_tree.largest_magnitudes(short), *factors)
+    clip = jnp.where(norm < max_norm, 1, max_norm / norm).astype(jnp.float32)
+    factors = (*factors[:-1], factors[-1] * clip) if factors else (clip,)
+  flags = [grads_finite] if loss is None else [grads_finite, _loss_finite(loss)]
+  grads_finite, *loss_finite = _tree.agree(flags, axis_name)
+  loss_finite = loss_finite[0] if loss_finite else None
+
+  new_loss_scale, should_apply = loss_scale.adjust(grads_finite)
+  should_apply = should_apply & grads_finite
+  if loss_finite is not None:
+    # Scaling cannot cause or cure a non-finite forward pass: keep the scale.
+    new_loss_scale = _tree.select_tree(loss_finite, new_loss_scale, loss_scale)
+    should_apply = should_apply & loss_finite
+  return Decision(should_apply, new_loss_scale, loss_finite, factors)
 
 
-class LossScaleStuckError(RuntimeError):
-  """Raised by `raise_if_stuck` when training makes no progress."""
+def _loss_finite(loss: Any) -> jax.Array:
+  if not _tree.is_array(loss):
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+      raise TypeError(
+          "`loss` must be the unscaled loss of the step (a number or an array), got "
+          f"{type(loss).__name__}: {loss!r:.100}")
+    loss = jnp.asarray(loss, jnp.float32)
+  return _tree.finite_after(_tree.largest_magnitudes(loss))
 
 
-def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
-  """Fails fast when every recent step was skipped.
+def unscale(grads: Any, factors: tuple[jax.Array, ...]) -> Any:
+  """The gradients times `factors`, leaf by leaf in each leaf's compute dtype.
 
-  A host-side check: it reads three scalars from the device, so call it at your
-  logging cadence (every N steps), not inside the jitted step.
-
-  Args:
-    opt_state: an optimizer state containing a `loss_scaling` state.
-    max_consecutive_skips: how many skipped steps in a row count as stuck.
-
-  Raises:
-    LossScaleStuckError: with the scale, the floor and the likely cause.
-    ValueError: if `max_consecutive_skips` is not a positive integer.
+  The one unscaling mechanism: traced where the inner optimizer consumes it, so XLA
+  fuses the multiplication into the optimizer's own loop and writes no unscaled copy.
   """
-  if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
-      or max_consecutive_skips < 1:
-    raise ValueError(
-        f"`max_consecutive_skips` must be a positive int, got {max_consecutive_skips!r}."
-    )
-  state = find_state(opt_state)
-  consecutive = int(state.consecutive_skips)
-  if consecutive < max_consecutive_skips:
-    return
-  scale = float(state.loss_scale())
-  floor = getattr(state.loss_scale, "min_loss_scale", None)
-  at_floor = floor is not None and scale <= floor
-  nonfinite_loss = int(state.nonfinite_loss_steps)
-  cause = (
-      "the loss itself is inf/NaN (a forward-pass problem, not an overflow)"
-      if nonfinite_loss and nonfinite_loss >= consecutive
-      else "the unscaled gradients are inf/NaN even at this scale, so the model "
-      "itself diverges or overflows in the forward pass"
-      if at_floor
-      else "the gradients keep overflowing"
-  )
-  raise LossScaleStuckError(
-      f"Training is stuck: the last {consecutive} steps were all skipped "
-      f"(max_consecutive_skips={max_consecutive_skips}). Current loss scale {scale:g}"
-      + (f", already at its minimum {floor:g}" if at_floor else "")
-      + f". Likely cause: {cause}. To find where: "
-      "jax_lossscale.nonfinite_leaf_paths(jax_lossscale.nonfinite_leaves(grads))."
+  if not factors:
+    return grads
+  return _tree.map_float_leaves(lambda x: _tree.multiply(x, *factors), grads)
+
+
+def narrow_updates_finite(updates: Any, axis_name) -> jax.Array | None:
+  """Whether the updates of leaves narrower than float32 are finite; `None` if none.
+
+  Adam's `eps=1e-8` is 0 in float16, so finite gradients can give 0/0 there.
+  float32 and wider updates are not checked, so they cost nothing.
+  """
+  narrow = [x for x in _tree.float_leaves(updates) if _tree.is_narrow(x.dtype)]
+  if not narrow:
+    return None
+  return _tree.agree([_tree.finite_after(_tree.largest_magnitudes(narrow))], axis_name)[0]
+
+
+def emit_by_cond(should_apply, run, check, result, skipped, inner_state):
+  """CPU: a skipped step runs nothing, and donated buffers are updated in place.
+
+  `jnp.where` would make XLA:CPU copy the donated parameters and optimizer state
+  (benchmarks/RESULTS.md). Returns `(result(updates) or skipped, new inner state,
+  whether the narrow updates are finite)`.
+  """
+
+  def applied():
+    updates, new_inner_state = run()
+    finite = check(updates)
+    out = result(updates)
+    if finite is None:
+      return out, new_inner_state, jnp.array(True)
+    return (*_tree.cond(finite, lambda: (out, new_inner_state),
+                        lambda: (skipped, inner_state)), finite)
+
+  return _tree.cond(should_apply, applied, lambda: (skipped, inner_state, jnp.array(True)))
+
+
+def emit_by_where(should_apply, run, check, result, skipped, inner_state):
+  """GPU and TPU: select with `jnp.where`, fused into the optimizer's loop.
+
+  A `lax.cond` there would make the host wait for the predicate every step.
+  """
+  updates, new_inner_state = run()
+  finite = check(updates)
+  applied = should_apply if finite is None else should_apply & finite
+  out = _tree.select_tree(applied, result(updates), skipped)
+  new_inner_state = _tree.select_tree(applied, new_inner_state, inner_state)
+  return out, new_inner_state, jnp.array(True) if finite is None else finite
+
+
+def next_state(state: LossScalingState, decision: Decision, inner_state,
+               updates_finite) -> LossScalingState:
+  """The new `LossScalingState` after one step."""
+  applied = decision.should_apply & updates_finite
+  updates_bad = decision.should_apply & ~updates_finite
+  loss_bad = jnp.array(False) if decision.loss_finite is None else ~decision.loss_finite
+
+  def add(count, flag):
+    return jnp.where(flag, optax.safe_increment(count), count)
+
+  def streak(count, flag):
+    return jnp.where(applied, 0, add(count, flag))
+
+  return LossScalingState(
+      # An optimizer that makes inf/NaN from finite gradients is not an overflow.
+      loss_scale=_tree.select_tree(updates_bad, state.loss_scale, decision.loss_scale),
+      inner_state=inner_state,
+      skipped_steps=add(state.skipped_steps, ~applied),
+      consecutive_skips=streak(state.consecutive_skips, ~applied),
+      last_applied=applied,
+      nonfinite_loss_steps=add(state.nonfinite_loss_steps, loss_bad),
+      nonfinite_update_steps=add(state.nonfinite_update_steps, updates_bad),
+      consecutive_nonfinite_loss=streak(state.consecutive_nonfinite_loss, loss_bad),
+      consecutive_nonfinite_updates=streak(state.consecutive_nonfinite_updates, updates_bad),
   )

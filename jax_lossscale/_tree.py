@@ -4,10 +4,17 @@ A gradient tree may hold more than floating arrays: `None` for parameters withou
 gradients, integer or boolean arrays, and, in equinox-style modules, strings, functions
 or other static Python objects. Only floating (inexact) arrays take part in loss
 scaling; everything else passes through untouched.
+
+Finiteness is decided in one place, `largest_magnitudes`: the largest magnitude of
+each dtype's leaves, with NaN counted as +inf, from one streaming reduction per leaf
+(small leaves are concatenated first, so a tree of thousands of biases compiles one
+reduction, not thousands).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +25,18 @@ import numpy as np
 import optax
 
 AxisName = Hashable | Sequence[Hashable] | None
+
+# Leaves below _SMALL elements are checked together, from concatenations of at most
+# _CHUNK elements and _OPERANDS leaves: each reduction XLA:CPU compiles costs about as
+# much as the optimizer's own kernel for that leaf, and a concatenation's compile time
+# grows faster than its operand count (benchmarks/RESULTS.md, "Compile time").
+_SMALL = 1 << 15
+_CHUNK = 1 << 20
+_OPERANDS = 64
+
+
+def is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def is_float_array(x: Any) -> bool:
@@ -35,6 +54,116 @@ def map_float_leaves(fn, tree: Any) -> Any:
   return jax.tree.map(lambda x: fn(x) if is_float_array(x) else x, tree)
 
 
+def is_narrow(dtype) -> bool:
+  """Whether a floating dtype is narrower than float32 (float16, bfloat16, float8...)."""
+  return jnp.dtype(dtype).itemsize < 4
+
+
+def has_short_range(dtype) -> bool:
+  """Whether a floating dtype overflows below float32's largest value (float16, float8)."""
+  return float(jnp.finfo(dtype).max) < float(jnp.finfo(jnp.float32).max)
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """The dtype a leaf of `dtype` is scaled in: float32, or its own if at least as wide.
+
+  float8 and float4 types do not promote implicitly, so they are converted here.
+  """
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if is_narrow(dtype) else dtype
+
+
+def multiply(x: jax.Array, *factors: jax.Array) -> jax.Array:
+  """`x * factor * ...` computed in `compute_dtype(x.dtype)`, in order, cast back."""
+  wide = x.astype(compute_dtype(x.dtype))
+  for factor in factors:
+    wide = wide * factor
+  return wide.astype(x.dtype)
+
+
+# --- finiteness --------------------------------------------------------------------
+
+
+def _max_min(a, b):
+  return jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])
+
+
+def largest_magnitude(x: jax.Array) -> jax.Array:
+  """`max |x|` over one array, read once, with NaN counted as +inf.
+
+  Finite exactly when every element of `x` is. The result is real, in
+  `compute_dtype(x.dtype)` (a complex array gives the largest magnitude of its real
+  and imaginary parts, so no finite array overflows in `|z|`). A real array's largest
+  magnitude is `max(max x, -min x)`, both from one variadic reduction, which XLA:CPU
+  streams faster than `max(abs(x))` (benchmarks/RESULTS.md).
+
+  A max-reduction must not be trusted to propagate NaN: XLA:CPU (jax 0.10.2) drops NaN
+  from float32 max-reductions of 4096 elements or more. NaN becomes +inf inside the
+  same pass, and +inf survives any max.
+  """
+  if jnp.iscomplexobj(x):
+    return jnp.maximum(largest_magnitude(x.real), largest_magnitude(x.imag))
+  x = x.astype(compute_dtype(x.dtype))
+  inf = jnp.array(jnp.inf, x.dtype)
+  x = jnp.where(jnp.isnan(x), inf, x)
+  if x.ndim == 0:
+    return jnp.abs(x)
+  largest, smallest = jax.lax.reduce((x, x), (-inf, inf), _max_min, tuple(range(x.ndim)))
+  return jax.lax.max(largest, -smallest)
+
+
+def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
+  """Per dtype, the reduction inputs: each large leaf alone, small ones in chunks."""
+  groups: dict[Any, list[list[jax.Array]]] = {}
+  chunks: dict[Any, list[jax.Array]] = {}
+  for x in leaves:
+    if not x.size:
+      continue
+    per_dtype = groups.setdefault(x.dtype, [])
+    if x.size >= _SMALL or _explicitly_sharded(x):
+      per_dtype.append([x])
+      continue
+    chunk = chunks.get(x.dtype)
+    if chunk is None or len(chunk) == _OPERANDS or sum(y.size for y in chunk) + x.size > _CHUNK:
+      chunk = chunks[x.dtype] = []
+      per_dtype.append(chunk)
+    chunk.append(x)
+  return groups
+
+
+@jax.jit
+def _largest_magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
+  largest = []
+  for group in _groups(leaves).values():
+    maxima = [largest_magnitude(g[0] if len(g) == 1 else
+                                jnp.concatenate([y.ravel() for y in g])) for g in group]
+    largest.append(maxima[0] if len(maxima) == 1 else jnp.max(jnp.stack(maxima)))
+  return largest
+
+
+def largest_magnitudes(tree: Any) -> list[tuple[jnp.dtype, jax.Array]]:
+  """`(dtype, largest magnitude)` for each floating dtype among the leaves of `tree`.
+
+  One real scalar per dtype (see `largest_magnitude`), however many leaves. NaN counts
+  as +inf, so an entry is finite exactly when all its leaves are; and multiplying the
+  entry by a positive factor and casting it back to `dtype` is monotone, so the result
+  is finite exactly when every leaf multiplied and cast the same way would be: the
+  finiteness of unscaled gradients is decided without unscaling them. Compiled once
+  per tree shape, also when called eagerly. Empty leaves are ignored.
+  """
+  leaves = float_leaves(tree)
+  dtypes = list(_groups(leaves))
+  return list(zip(dtypes, _largest_magnitudes(leaves), strict=True)) if dtypes else []
+
+
+def finite_after(largest: list[tuple[jnp.dtype, jax.Array]], *factors: jax.Array) -> jax.Array:
+  """Whether every leaf behind `largest` stays finite once multiplied by `factors`."""
+  # A complex leaf's largest magnitude is that of a component: cast to that dtype.
+  flags = [jnp.isfinite(multiply(m, *factors).astype(jnp.finfo(dtype).dtype).astype(m.dtype))
+           for dtype, m in largest]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
 def _axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
   if axis_name is None:
     return ()
@@ -43,121 +172,28 @@ def _axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
   return (axis_name,)
 
 
-def count_across(flags: jax.Array, axis_name: AxisName) -> jax.Array:
-  """Sums an int32 vector of flags over the named mapped axes with one collective.
+def agree(flags: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+  """Each boolean flag, true only where it holds on every device of `axis_name`.
 
-  Outside `shard_map`/`pmap` (no `axis_name`) the flags are returned unchanged: SPMD
-  `jit` over global arrays already computes global reductions.
+  One collective for all the flags (a `psum` of an int32 vector). Outside
+  `shard_map`/`pmap` (no `axis_name`) the flags are returned unchanged: SPMD `jit`
+  over global arrays already computes global reductions.
   """
   axes = _axis_tuple(axis_name)
   if not axes:
-    return flags
-  return jax.lax.psum(flags, axes)
-
-
-def local_all_finite(tree: Any) -> jax.Array:
-  """`all_finite` without any collective: this device's (or this array's) view.
-
-  Computed as `isfinite(max |x|)` with NaN counted as +inf (see `max_magnitude`),
-  which is exact and cheaper than reducing a boolean mask.
-  """
-  largest = [m.astype(jnp.float32) for m in max_magnitude_per_dtype(tree)]
-  if not largest:
-    return jnp.array(True)
-  largest = jnp.max(jnp.stack(largest)) if len(largest) > 1 else largest[0]
-  return jnp.isfinite(largest)
-
-
-def _nan_as_inf(x: jax.Array) -> jax.Array:
-  """`x` with every NaN replaced by +inf.
-
-  A max-reduction must not be trusted to propagate NaN: XLA:CPU (jax 0.10.2) drops
-  NaN from float32 max-reductions of 4096 elements or more, and returns the largest
-  other value. +inf survives any max, so a NaN is never lost this way.
-  """
-  return jnp.where(jnp.isnan(x), jnp.array(jnp.inf, x.dtype), x)
-
-
-def max_magnitude_per_dtype(tree: Any) -> list[jax.Array]:
-  """The largest magnitude among the floating leaves of each dtype in `tree`.
-
-  One scalar per dtype, each of that dtype, however many leaves. NaN counts as +inf,
-  so an entry is finite exactly when all its leaves are; and dividing the entries by a
-  positive scale is monotone, so they are finite after the division exactly when
-  every divided element would be: the finiteness of unscaled gradients can be
-  decided without unscaling them, and each dtype overflows (or not) after unscaling
-  exactly as its gradients would.
-
-  Args:
-    tree: any pytree; empty, `None` and non-floating leaves are ignored.
-  """
-  by_dtype: dict[Any, list[jax.Array]] = {}
-  for x in float_leaves(tree):
-    if x.size:
-      by_dtype.setdefault(x.dtype, []).append(max_magnitude(x))
-  return [m[0] if len(m) == 1 else jnp.max(jnp.stack(m)) for m in by_dtype.values()]
-
-
-def max_magnitude(x: jax.Array) -> jax.Array:
-  """`max |x|` over a whole array, read once, with NaN counted as +inf.
-
-  Finite exactly when every element of `x` is. A real array's largest magnitude is
-  `max(max x, -min x)`, and both come from one variadic reduction, which XLA:CPU
-  streams faster than `max(abs(x))` (about 1.5 against 2.2 ms for 10^7 float32
-  values on a 2-core x86_64 machine) and fuses the NaN replacement into (see
-  `_nan_as_inf`; a plain max-reduction there would first write it out). A scalar
-  or complex array takes `max(abs(x))`, NaN replaced the same way.
-  """
-  if x.ndim == 0 or jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.max(_nan_as_inf(jnp.abs(x)))
-  x = _nan_as_inf(x)
-  largest, smallest = jax.lax.reduce(
-      (x, x),
-      (jnp.array(-jnp.inf, x.dtype), jnp.array(jnp.inf, x.dtype)),
-      lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])),
-      tuple(range(x.ndim)),
-  )
-  return jax.lax.max(largest, -smallest)
-
-
-def global_norm(tree: Any) -> jax.Array:
-  """The global L2 norm of the floating leaves of `tree`, in at least float32.
-
-  `optax.tree.norm` of the leaves, each first cast to at least float32: for float32
-  leaves the very computation (operations and order) of `optax.clip_by_global_norm`;
-  float16 and bfloat16 leaves are squared in float32, where optax squares them in
-  their own dtype (a float16 square overflows beyond 256). Any inf or NaN makes the
-  norm inf or NaN. Other leaves are ignored; an empty tree has norm 0.
-  """
-  leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in float_leaves(tree)]
-  if not leaves:
-    return jnp.zeros([], jnp.float32)
-  return optax.tree.norm(leaves)
-
-
-def clip_by_norm(tree: Any, norm: jax.Array, max_norm: float) -> Any:
-  """Scales `tree` down to `max_norm` when its global `norm` is not below it.
-
-  `optax.clip_by_global_norm` with the norm given: each floating leaf `t` becomes
-  `t` if `norm < max_norm` and `(t / norm) * max_norm` otherwise, chosen with a
-  select. Leaves narrower than `norm` are divided in `norm`'s dtype and cast back,
-  so a float16 leaf is not divided by a norm that overflows float16.
-  """
-  keep = norm < max_norm
-
-  def clip(t):
-    wide = jnp.promote_types(t.dtype, norm.dtype)
-    clipped = ((t.astype(wide) / norm.astype(wide)) * max_norm).astype(t.dtype)
-    return jax.lax.select(keep, t, clipped)
-
-  return map_float_leaves(clip, tree)
+    return list(flags)
+  failures = jnp.stack([jnp.logical_not(f) for f in flags]).astype(jnp.int32)
+  failures = jax.lax.psum(failures, axes)
+  return [failures[i] == 0 for i in range(len(flags))]
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   """Whether every floating value in `tree` is finite (no inf, no NaN).
 
-  `None` leaves and non-floating or non-array leaves (ints, bools, strings,
-  functions) are ignored; an empty or all-`None` tree counts as finite.
+  Works for every floating dtype, including float8 types without an inf (only NaN is
+  non-finite there) and float64. `None` leaves and non-floating or non-array leaves
+  (ints, bools, strings, functions) are ignored; an empty or all-`None` tree counts as
+  finite. Compiled once per tree shape, also when called outside `jit`.
 
   Args:
     tree: any pytree, typically gradients.
@@ -168,27 +204,81 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Returns:
     A boolean scalar array.
   """
-  return agreed_all_finite([tree], axis_name)[0]
+  return agree([finite_after(largest_magnitudes(tree))], axis_name)[0]
 
 
-def agreed_all_finite(trees: Sequence[Any], axis_name: AxisName = None) -> list[jax.Array]:
-  """`all_finite` of each tree, agreed across `axis_name` with one collective for all."""
-  flags = jnp.stack([jnp.logical_not(local_all_finite(t)) for t in trees]).astype(jnp.int32)
-  counts = count_across(flags, axis_name)
-  return [counts[i] == 0 for i in range(len(trees))]
+# --- clipping ----------------------------------------------------------------------
 
 
-def is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of the floating leaves of `tree`, in at least float32.
 
-
-def zeros_unless(pred: jax.Array, tree: Any) -> Any:
-  """`tree` where `pred` holds, exact zeros (from `jnp.where`) where it does not.
-
-  Non-array leaves (static parts of equinox-style modules) pass through.
+  `optax.tree.norm` of the leaves, each in its compute dtype: for float32 leaves the
+  very computation of `optax.clip_by_global_norm`; float16 and bfloat16 leaves are
+  squared in float32, where optax squares them in their own dtype (a float16 square
+  overflows beyond 256). Any inf or NaN makes the norm inf or NaN. Other leaves are
+  ignored; an empty tree has norm 0.
   """
-  return jax.tree.map(
-      lambda x: jnp.where(pred, x, jnp.zeros_like(x)) if is_array(x) else x, tree)
+  leaves = [x.astype(compute_dtype(x.dtype)) for x in float_leaves(tree)]
+  if not leaves:
+    return jnp.zeros([], jnp.float32)
+  return optax.tree.norm(leaves)
+
+
+# --- choosing ----------------------------------------------------------------------
+
+
+def negative_zeros_like(tree: Any, like: Any = None) -> Any:
+  """`-0.0` in every array leaf: the additive identity (`x + -0.0 == x`, even for -0.0).
+
+  The updates of a skipped step. `+0.0` would turn a `-0.0` parameter into `+0.0`.
+  Takes arrays or `jax.ShapeDtypeStruct`s; non-array leaves pass through. Where
+  `like` (a tree of the same structure, typically the gradients) has a leaf of the
+  same shape, the zeros are made from it, so they share its sharding and, inside
+  `shard_map`, the axes it varies over, as a branch of `lax.cond` must.
+  """
+  if like is None or jax.tree.structure(like) != jax.tree.structure(tree):
+    like = jax.tree.map(lambda _: None, tree)
+
+  def negative_zeros(x, template):
+    if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+      return x
+    if is_array(template) and template.shape == x.shape:
+      zeros = -jnp.zeros_like(template, dtype=x.dtype)
+    else:
+      zeros = -jnp.zeros(x.shape, x.dtype)
+    return _varying_like(zeros, x)
+
+  return jax.tree.map(negative_zeros, tree, like, is_leaf=lambda x: x is None)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+  """The manual (`shard_map`) axes an abstract value varies over; empty outside."""
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _varying_like(x: jax.Array, target: Any) -> jax.Array:
+  """`x`, made to vary over the manual (`shard_map`) axes that `target` varies over."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:  # older JAX: no varying-axis types to match
+    return x
+  want = _varying_axes(target if isinstance(target, jax.ShapeDtypeStruct) else typeof(target))
+  missing = tuple(sorted(want - _varying_axes(typeof(x))))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _explicitly_sharded(x: jax.Array) -> bool:
+  """Whether `x` has an explicit sharding over some mesh axis (`jax.sharding.AxisType.Explicit`).
+
+  Such leaves are reduced on their own: concatenating differently sharded arrays is
+  refused under explicit sharding, and would move data between devices.
+  """
+  typeof = getattr(jax, "typeof", None)
+  spec = getattr(getattr(typeof(x), "sharding", None), "spec", None) if typeof else None
+  return spec is not None and any(axis is not None for axis in spec)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -247,7 +337,7 @@ def through_arrays(combine, *fns) -> Any:
     return arrays
 
   arrays = combine(*[arrays_of(i, fn) for i, fn in enumerate(fns)])
-  # A combinator may trace only some branches (platform_dependent may pick one).
+  # A combinator may trace only some branches (platform_dependent, outside jit).
   treedef, leaves = next(t for t in traced if t is not None)
   for other, _ in (t for t in traced if t is not None):
     if other != treedef:
@@ -262,3 +352,74 @@ def cond(pred: jax.Array, true_fn, false_fn) -> Any:
   See `through_arrays`; both functions take no arguments.
   """
   return through_arrays(lambda t, f: jax.lax.cond(pred, t, f), true_fn, false_fn)
+
+
+def shapes_of(fn) -> Any:
+  """`jax.eval_shape(fn)` for a function whose output may hold static leaves."""
+  static = []
+
+  def arrays():
+    leaves, treedef = jax.tree.flatten(fn())
+    static.append((treedef, leaves))
+    return [x for x in leaves if is_array(x)]
+
+  shapes = iter(jax.eval_shape(arrays))
+  treedef, leaves = static[0]
+  return jax.tree.unflatten(treedef, [next(shapes) if is_array(x) else x for x in leaves])
+
+
+# --- unwrapping --------------------------------------------------------------------
+
+
+def unwrap(tree: Any, node_types: tuple[type, ...]) -> Any:
+  """`tree` with every single-array wrapper below `node_types` replaced by its array.
+
+  Frameworks keep optimizer state in wrappers that are pytree nodes around one array
+  (flax NNX's `nnx.Variable`, for instance). This rebuilds the nodes of `node_types`
+  (and containers between them) with plain arrays instead.
+  """
+
+  def wrapped(x):
+    return not isinstance(x, node_types) and not is_array(x) and x is not None \
+        and not isinstance(x, (tuple, list, dict)) and len(jax.tree.leaves(x)) == 1
+
+  def plain(x):
+    return jax.tree.leaves(x)[0] if wrapped(x) else x
+
+  return jax.tree.map(plain, tree, is_leaf=wrapped)
+
+
+# --- platform-dependent code -------------------------------------------------------
+
+_FORCED_BRANCH: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jax_lossscale_forced_branch", default=None)
+
+
+def on_platform(*, cpu, default) -> Any:
+  """`jax.lax.platform_dependent(cpu=cpu, default=default)` for argument-free functions
+  whose outputs may hold static leaves (see `through_arrays`).
+
+  `forced_branch` makes the functions traced inside it take one branch whatever the
+  platform, so the CPU test suite runs the GPU/TPU branch too.
+  """
+  forced = _FORCED_BRANCH.get()
+  if forced is not None:
+    return {"cpu": cpu, "default": default}[forced]()
+  return through_arrays(
+      lambda c, d: jax.lax.platform_dependent(cpu=c, default=d), cpu, default)
+
+
+@contextlib.contextmanager
+def forced_branch(name: str):
+  """Within this context, `on_platform` traces only branch `name` ("cpu" or "default").
+
+  A testing aid: jitted functions must be traced inside the context (a function
+  compiled before keeps the branch it was compiled with).
+  """
+  if name not in ("cpu", "default"):
+    raise ValueError(f"`name` must be 'cpu' or 'default', got {name!r}.")
+  token = _FORCED_BRANCH.set(name)
+  try:
+    yield
+  finally:
+    _FORCED_BRANCH.reset(token)

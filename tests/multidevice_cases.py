@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
+from jax_lossscale import _tree
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices")
 
@@ -54,17 +55,18 @@ def test_spmd_jit_inf_in_one_shard_makes_every_device_skip(mesh):
   assert float(new_state.loss_scale()) == 4.0 and int(new_state.skipped_steps) == 1
 
 
-def test_fused_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh):
+@pytest.mark.parametrize("branch", ["cpu", "default"])
+def test_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh, branch):
   params = sharded_params(mesh)
-  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0), fuse_unscale=True)
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0))
   state = jax.jit(tx.init)(params)
   ones = {"w": jnp.ones((16, 4)), "b": jnp.ones(4)}
   good = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), ones, params)
   bad = dict(good, w=jax.device_put(ones["w"].at[5, 1].set(jnp.inf), params["w"].sharding))
-  step = jax.jit(tx.apply_gradients)
-
-  skipped_params, state = step(bad, state, params)
-  applied_params, state = step(good, state, skipped_params)
+  with _tree.forced_branch(branch):  # the GPU/TPU branch too, traced here
+    step = jax.jit(tx.apply_gradients)
+    skipped_params, state = step(bad, state, params)
+    applied_params, state = step(good, state, skipped_params)
 
   chex.assert_trees_all_equal(skipped_params, params)
   assert applied_params["w"].sharding.is_equivalent_to(params["w"].sharding, 2)
@@ -72,11 +74,9 @@ def test_fused_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(
   assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 4.0
 
 
-@pytest.mark.parametrize("fuse_unscale", [False, True])
-def test_shared_clipping_takes_the_global_norm_of_sharded_gradients(mesh, fuse_unscale):
+def test_shared_clipping_takes_the_global_norm_of_sharded_gradients(mesh):
   params = sharded_params(mesh)
-  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(2.0), fuse_unscale=fuse_unscale,
-                        clip_by_global_norm=1.0)
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(2.0), clip_by_global_norm=1.0)
   twos = {"w": jnp.full((16, 4), 2.0), "b": jnp.full(4, 2.0)}
   grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), twos, params)
   new_params, state = jax.jit(tx.apply_gradients)(grads, jax.jit(tx.init)(params), params)
@@ -132,8 +132,9 @@ def per_device_case(mesh):
   return params, grads
 
 
-def state_specs(inner_spec):
-  return jls.LossScalingState(P(), inner_spec, P(), P(), P(), P())
+def state_specs(state):
+  """Scalars replicated, arrays split along "data" (as README's shard_map example)."""
+  return jax.tree.map(lambda x: P("data") if x.ndim else P(), state)
 
 
 @pytest.mark.parametrize("axis_name", ["data", ("data",)])
@@ -142,9 +143,9 @@ def test_shard_map_axis_name_makes_every_device_agree_to_skip(mesh, axis_name):
   tx = jls.loss_scaling(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(8.0),
                         axis_name=axis_name)
   state = tx.init(params)
-  update = shard_map_update(tx, mesh, state_specs(P("data")))
+  update = shard_map_update(tx, mesh, state_specs(state))
   updates, new_state = update(grads, state, params)
-  chex.assert_trees_all_equal(updates, jnp.zeros((8, 3)))
+  chex.assert_trees_all_equal(updates, -jnp.zeros((8, 3)))
   assert float(new_state.loss_scale()) == 4.0
   # The next, clean step applies everywhere with the agreed scale.
   clean = jax.device_put(jnp.ones((8, 3)), params.sharding)
@@ -159,7 +160,7 @@ def test_without_axis_name_shard_map_replicas_would_diverge(mesh):
   state = tx.init(params)
   per_device = jax.jit(jax.shard_map(
       lambda g, s, p: tx.update(g, s, p)[1].loss_scale()[None], mesh=mesh,
-      in_specs=(P("data"), state_specs(P("data")), P("data")), out_specs=P("data"),
+      in_specs=(P("data"), state_specs(state), P("data")), out_specs=P("data"),
       check_vma=False,
   ))
   scales = np.asarray(per_device(grads, state, params))
@@ -173,7 +174,7 @@ def test_pmap_axis_name_makes_every_replica_agree():
   grads = jnp.ones((8, 3)).at[2, 1].set(jnp.nan)
   updates, new_state = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name="batch")(
       grads, state, params)
-  chex.assert_trees_all_equal(updates, jnp.zeros((8, 3)))
+  chex.assert_trees_all_equal(updates, -jnp.zeros((8, 3)))
   assert list(np.asarray(new_state.loss_scale())) == [4.0] * 8
 
 
@@ -195,7 +196,23 @@ def test_finiteness_is_agreed_with_one_scalar_collective(mesh):
   params, grads = per_device_case(mesh)
   tx = jls.loss_scaling(optax.sgd(0.1), axis_name="data")
   state = tx.init(params)
-  update = shard_map_update(tx, mesh, state_specs(P("data")))
+  update = shard_map_update(tx, mesh, state_specs(state))
   hlo = update.lower(grads, state, params).as_text()
   reductions = [line for line in hlo.splitlines() if "all_reduce" in line or "all-reduce" in line]
   assert len([r for r in reductions if "=" in r]) == 1, reductions
+
+
+@pytest.mark.parametrize("branch", ["cpu", "default"])
+def test_float16_updates_are_checked_on_every_device_and_agreed(mesh, branch):
+  # Adam's eps=1e-8 is 0 in float16: device 5's zero gradient gives 0/0 there only.
+  # The update check's collective runs inside the step's branch; every device skips.
+  params = jax.device_put(jnp.ones((8, 3), jnp.float16), NamedSharding(mesh, P("data")))
+  grads = jax.device_put(jnp.ones((8, 3), jnp.float16).at[5].set(0),
+                         NamedSharding(mesh, P("data")))
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(8.0), axis_name="data")
+  state = tx.init(params)
+  with _tree.forced_branch(branch):
+    update = shard_map_update(tx, mesh, state_specs(state))
+    updates, new_state = update(grads, state, params)
+  chex.assert_trees_all_equal(updates, -jnp.zeros((8, 3), jnp.float16))
+  assert int(new_state.nonfinite_update_steps) == 1 and float(new_state.loss_scale()) == 8.0

@@ -80,8 +80,8 @@ def shard_map_sharded_params():
   params = global_array(np.ones((total, 3)), by_data)
   tx = jls.loss_scaling(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(2.0**8),
                         axis_name="data")
-  specs = jls.LossScalingState(P(), P("data"), P(), P(), P(), P())
   state = tx.init(params)
+  specs = jax.tree.map(lambda x: P("data") if x.ndim else P(), state)
   update = jax.jit(jax.shard_map(
       lambda g, s, p: tx.update(g, s, p), mesh=mesh,
       in_specs=(P("data"), specs, P("data")), out_specs=(P("data"), specs)))

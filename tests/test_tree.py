@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import _tree
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
@@ -75,12 +76,10 @@ def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(1,), (9,), (1000,), (3, 333), (333, 3)])
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
-def test_max_magnitude_is_not_finite_for_a_bad_value_anywhere(dtype, shape, bad):
-  from jax_lossscale import _tree
-
+def test_largest_magnitude_is_not_finite_for_a_bad_value_anywhere(dtype, shape, bad):
   n = int(np.prod(shape))
   base = np.random.default_rng(n).normal(size=n).astype(np.float32)
-  f = jax.jit(_tree.max_magnitude)
+  f = jax.jit(_tree.largest_magnitude)
   assert float(f(jnp.asarray(base.reshape(shape), dtype))) == float(
       jnp.max(jnp.abs(jnp.asarray(base, dtype))))
   for position in sorted({0, n // 2, n - 1, max(n - 8, 0)}):
@@ -96,13 +95,11 @@ def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
   # XLA:CPU (jax 0.10.2) drops NaN from float32 max-reductions of 4096 elements or
   # more (`jnp.max` returns the largest other value), so no check may rely on a max
   # propagating NaN.
-  from jax_lossscale import _tree
-
   n = int(np.prod(shape))
   checks = {
-      "max_magnitude": jax.jit(lambda x: ~jnp.isfinite(_tree.max_magnitude(x))),
+      "largest_magnitude": jax.jit(lambda x: ~jnp.isfinite(_tree.largest_magnitude(x))),
       "all_finite": jax.jit(lambda x: ~jls.all_finite({"g": [x]})),
-      "per_dtype": jax.jit(lambda x: ~jnp.isfinite(_tree.max_magnitude_per_dtype([x, x])[0])),
+      "per_dtype": jax.jit(lambda x: ~_tree.finite_after(_tree.largest_magnitudes([x, x]))),
   }
   for position in (0, n // 2, n - 1):
     x = jnp.full(n, 0.5, dtype).at[position].set(bad).reshape(shape)
@@ -112,26 +109,62 @@ def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
 
 def test_a_nan_among_thousands_of_leaves_is_not_lost():
   # Per-leaf maxima are combined with one more max-reduction, over as many values.
-  leaves = [jnp.full((), 0.5) for _ in range(4100)]
-  leaves[1234] = jnp.array(jnp.nan)
+  leaves = [np.float32(0.5)] * 4100
+  leaves[1234] = np.float32(np.nan)
+  assert not bool(jls.all_finite(jax.device_put(leaves)))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_small_leaves_are_checked_together_and_no_bad_value_is_lost(bad, where):
+  # Leaves below 2**15 elements are concatenated, 64 at a time (and at most 2**20
+  # elements), into one reduction each; a large leaf is checked on its own.
+  leaves = [np.full((16, 16), 0.25 * (i % 7 + 1), np.float32) for i in range(1000)]
+  leaves.append(np.ones(1 << 16, np.float32))
+  index = {"first": 0, "middle": 64 * 7, "last": 999}[where]
+  leaves[index] = leaves[index].copy()
+  leaves[index][3, 5] = bad
+  leaves = jax.device_put(leaves)
   assert not bool(jls.all_finite(leaves))
+  largest = dict(_tree.largest_magnitudes(leaves))
+  assert not np.isfinite(float(largest[jnp.dtype(jnp.float32)]))
 
 
-def test_max_magnitude_of_huge_values_of_both_signs_and_complex_leaves():
-  from jax_lossscale import _tree
-
+def test_largest_magnitudes_are_exact_per_dtype():
+  leaves = {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16),
+            "d": None, "e": jnp.zeros((0, 3)), "f": jnp.full(70_000, -3.0)}
+  assert [(d.name, float(m)) for d, m in _tree.largest_magnitudes(leaves)] == [
+      ("float32", 3.0), ("float16", 1.0)]
   # max - min would overflow here; max(max, -min) does not.
-  assert float(_tree.max_magnitude(jnp.array([3e38, -3.2e38], jnp.float32))) == float(
+  assert float(_tree.largest_magnitude(jnp.array([3e38, -3.2e38], jnp.float32))) == float(
       jnp.float32(3.2e38))
-  assert float(_tree.max_magnitude(jnp.array([3 + 4j, -1j], jnp.complex64))) == 5.0
-  assert _tree.max_magnitude_per_dtype(
-      {"a": jnp.ones(3), "b": -2 * jnp.ones(4), "c": jnp.ones(2, jnp.float16), "d": None}
-  ) == [2.0, 1.0]
+
+
+def test_complex_leaves_are_checked_component_by_component():
+  # |z| of two finite components can overflow; each component's magnitude cannot.
+  z = jnp.array([3e38 + 3e38j, 1 - 2j], jnp.complex64)
+  assert float(_tree.largest_magnitude(z)) == float(jnp.float32(3e38))
+  assert bool(jls.all_finite([z]))
+  assert not bool(jls.all_finite([z.at[1].set(complex(1, np.inf))]))
+  assert not bool(jls.all_finite([z.at[0].set(complex(np.nan, 0))]))
+
+
+def test_eager_all_finite_reuses_its_compiled_reduction():
+  # Outside jit, each call used to rebuild (and recompile) the reduction.
+  from jax_lossscale._tree import _largest_magnitudes
+
+  tree = [jnp.ones(7) * i for i in range(200)]
+  jls.all_finite(tree)
+  compiled = _largest_magnitudes._cache_size()
+  for _ in range(3):
+    assert bool(jls.all_finite(tree))
+  assert _largest_magnitudes._cache_size() == compiled
+
+
+# --- clipping ------------------------------------------------------------------------
 
 
 def test_global_norm_is_optax_norm_for_float32_and_squares_narrow_leaves_in_float32():
-  from jax_lossscale import _tree
-
   rng = np.random.default_rng(0)
   f32 = {"a": jnp.asarray(rng.normal(size=(7, 9)), jnp.float32), "b": jnp.arange(5.0)}
   chex.assert_trees_all_equal(_tree.global_norm(f32), optax.tree.norm(f32))
@@ -143,16 +176,36 @@ def test_global_norm_is_optax_norm_for_float32_and_squares_narrow_leaves_in_floa
   assert not np.isfinite(float(_tree.global_norm([jnp.ones(3).at[1].set(jnp.nan)])))
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 100.0])
-def test_clip_by_norm_is_optax_clip_by_global_norm_with_the_norm_given(max_norm):
-  from jax_lossscale import _tree
+# --- choosing and platforms ------------------------------------------------------------
 
-  tree = {"a": jnp.linspace(-3.0, 3.0, 11), "b": jnp.ones((2, 3))}
-  expected, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
-  got = jax.jit(lambda t: _tree.clip_by_norm(t, _tree.global_norm(t), max_norm))(tree)
-  chex.assert_trees_all_equal(got, jax.jit(lambda t: optax.clip_by_global_norm(
-      max_norm).update(t, optax.EmptyState())[0])(tree))
-  chex.assert_trees_all_close(got, expected, rtol=1e-6)
-  # A float16 leaf is divided in float32: a norm beyond float16's range is fine.
-  clipped = _tree.clip_by_norm({"h": jnp.full(2, 3e4, jnp.float16)}, jnp.float32(1e5), max_norm)
-  np.testing.assert_allclose(np.float32(clipped["h"]), 3e4 / 1e5 * max_norm, rtol=1e-3)
+
+def test_negative_zeros_are_the_additive_identity_even_for_negative_zero():
+  params = {"w": jnp.array([-0.0, 0.0, -1.5, jnp.inf]), "h": jnp.array([-0.0], jnp.float16),
+            "c": jnp.array([complex(-0.0, -0.0)], jnp.complex64), "n": None}
+  updates = _tree.negative_zeros_like(params)
+  after = optax.apply_updates(params, updates)
+  for name in ("w", "h"):
+    np.testing.assert_array_equal(np.signbit(after[name]), np.signbit(params[name]))
+  assert np.signbit(after["c"].real[0]) and np.signbit(after["c"].imag[0])
+  shapes = _tree.negative_zeros_like(jax.eval_shape(lambda: params))
+  chex.assert_trees_all_equal(shapes, updates)
+
+
+@pytest.mark.parametrize("branch", ["cpu", "default"])
+def test_forced_branch_traces_only_that_branch(branch):
+  traced = []
+
+  @jax.jit
+  def f(x):
+    return _tree.on_platform(cpu=lambda: traced.append("cpu") or x + 1,
+                             default=lambda: traced.append("default") or x + 2)
+
+  with _tree.forced_branch(branch):
+    out = f(jnp.float32(0))
+  assert traced == [branch] and float(out) == (1 if branch == "cpu" else 2)
+
+
+def test_unforced_platform_code_runs_the_cpu_branch_on_cpu():
+  out = jax.jit(lambda x: _tree.on_platform(cpu=lambda: x + 1, default=lambda: x + 2))(
+      jnp.float32(0))
+  assert float(out) == (1 if jax.default_backend() == "cpu" else 2)

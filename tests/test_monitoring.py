@@ -1,0 +1,143 @@
+"""Specification of reading the state: `get_loss_scale`, `metrics`, `raise_if_stuck`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}}
+GOOD = jax.tree.map(jnp.ones_like, PARAMS)
+BAD = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), PARAMS)
+
+
+def steps(tx, sequence, params=PARAMS):
+  """Runs `tx.update` over `(grads, loss)` pairs (loss may be None)."""
+  state, update = tx.init(params), jax.jit(tx.update)
+  for grads, loss in sequence:
+    _, state = update(grads, state, params) if loss is None else update(
+        grads, state, params, loss=loss)
+  return state
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda tx: tx,
+        lambda tx: optax.chain(optax.identity(), tx),
+        lambda tx: optax.MultiSteps(tx, 2),
+        lambda tx: optax.multi_transform({"a": tx, "b": optax.set_to_zero()},
+                                         {"dense": {"kernel": "a", "bias": "b"}}),
+    ],
+    ids=["bare", "chain", "multisteps", "multi_transform"],
+)
+def test_get_loss_scale_finds_the_scale_in_nested_states(wrap):
+  tx = wrap(jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0)))
+  state = tx.init(PARAMS)
+  assert isinstance(jls.get_loss_scale(state), jls.DynamicLossScale)
+  assert float(jls.get_loss_scale(state)()) == 64.0
+
+
+def test_get_loss_scale_inside_inject_hyperparams():
+  tx = optax.inject_hyperparams(
+      lambda learning_rate: jls.loss_scaling(optax.sgd(learning_rate), 32.0)
+  )(learning_rate=0.1)
+  assert float(jls.get_loss_scale(tx.init(PARAMS))()) == 32.0
+
+
+def test_get_loss_scale_without_loss_scaling_says_what_is_wrong():
+  with pytest.raises(ValueError, match="found 0"):
+    jls.get_loss_scale(optax.adam(1e-3).init(PARAMS))
+
+
+def test_metrics_are_scalars_ready_for_logging():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+  state = steps(tx, [(BAD, None)])
+  metrics = jax.jit(jls.metrics)(state)
+  assert {k: v.item() for k, v in metrics.items()} == {
+      "loss_scale": 8.0, "skipped_steps": 1, "consecutive_skips": 1,
+      "last_applied": False, "nonfinite_loss_steps": 0, "nonfinite_update_steps": 0,
+  }
+
+
+class Wrapped:
+  """A framework's container of one array (as flax NNX's `nnx.Variable`)."""
+
+  def __init__(self, value):
+    self.value = value
+
+
+jax.tree_util.register_pytree_node(Wrapped, lambda w: ((w.value,), None),
+                                   lambda _, children: Wrapped(children[0]))
+
+
+def test_metrics_and_loss_scale_are_plain_arrays_whatever_wraps_the_state():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+  state = steps(tx, [(BAD, None)])
+  wrapped = jax.tree.map(Wrapped, state)
+  metrics = jls.metrics(wrapped)
+  assert all(isinstance(v, jax.Array) for v in metrics.values())
+  assert f"{metrics['skipped_steps']:d}" == "1" and not bool(metrics["last_applied"])
+  loss_scale = jls.get_loss_scale(wrapped)
+  assert isinstance(loss_scale.current_loss_scale, jax.Array)
+  assert float(loss_scale()) == 8.0
+  jls.raise_if_stuck(wrapped, max_consecutive_skips=2)
+
+
+def test_raise_if_stuck_fails_fast_with_a_clear_message():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.0))
+  state = steps(tx, [(BAD, None)] * 5)
+  jls.raise_if_stuck(state, max_consecutive_skips=6)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match=r"last 5 steps were all skipped.*already at its minimum 1"):
+    jls.raise_if_stuck(state, max_consecutive_skips=5)
+
+
+def test_raise_if_stuck_blames_the_current_streak_not_the_running_totals():
+  # 5 steps with a NaN loss, a clean step, then 5 overflows: the loss is not to blame.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20))
+  nan = jnp.array(jnp.nan)
+  state = steps(tx, [(BAD, nan)] * 5 + [(GOOD, None)] + [(BAD, None)] * 5)
+  assert int(state.nonfinite_loss_steps) == 5 and int(state.consecutive_skips) == 5
+  with pytest.raises(jls.LossScaleStuckError, match="the gradients keep overflowing") as info:
+    jls.raise_if_stuck(state, max_consecutive_skips=5)
+  assert "loss itself" not in str(info.value)
+
+
+def test_raise_if_stuck_blames_a_nonfinite_loss():
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  state = steps(tx, [(BAD, jnp.array(jnp.nan))] * 3)
+  with pytest.raises(jls.LossScaleStuckError, match="loss itself is inf/NaN"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3)
+
+
+def test_raise_if_stuck_names_an_optimizer_that_makes_nan_from_finite_gradients():
+  params = {"w": jnp.ones(2, jnp.float16)}
+  tx = jls.loss_scaling(optax.adam(1e-3))  # eps=1e-8 is 0 in float16
+  state = steps(tx, [({"w": jnp.zeros(2, jnp.float16)}, None)] * 3, params)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match=r"optimizer produced non-finite updates from finite gradients.*eps"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3)
+
+
+def test_raise_if_stuck_lists_every_cause_of_a_mixed_streak():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20))
+  state = steps(tx, [(BAD, jnp.array(jnp.nan))] * 2 + [(BAD, None)] * 3)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match=r"3 of them: the gradients keep overflowing; 2 of them: the loss"):
+    jls.raise_if_stuck(state, max_consecutive_skips=5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3", np.int64(0)])
+def test_raise_if_stuck_rejects_a_bad_threshold(bad):
+  with pytest.raises(ValueError, match="max_consecutive_skips"):
+    jls.raise_if_stuck(None, max_consecutive_skips=bad)
+
+
+@pytest.mark.parametrize("threshold", [np.int64(3), np.int32(3), jnp.int32(3)])
+def test_raise_if_stuck_accepts_numpy_and_jax_integers(threshold):
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  with pytest.raises(jls.LossScaleStuckError):
+    jls.raise_if_stuck(steps(tx, [(BAD, None)] * 3), max_consecutive_skips=threshold)

@@ -1,0 +1,92 @@
+"""Specification of `scaled_value_and_grad`."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+PARAMS = {"w": jnp.array([1.0, -2.0, 3.0])}
+
+
+def loss_fn(params, x):
+  return jnp.sum((params["w"] * x) ** 2)
+
+
+def state_with_scale(scale, params=PARAMS):
+  return jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(scale)).init(params)
+
+
+def test_returns_the_unscaled_value_and_the_gradients_of_the_scaled_loss():
+  x = jnp.array([0.5, 1.0, 2.0])
+  value, grads = jls.scaled_value_and_grad(loss_fn)(state_with_scale(8.0), PARAMS, x)
+  ref_value, ref_grads = jax.value_and_grad(loss_fn)(PARAMS, x)
+  assert float(value) == float(ref_value)
+  chex.assert_trees_all_equal(grads, jax.tree.map(lambda g: g * 8.0, ref_grads))
+
+
+def test_aux_and_argnums_count_the_functions_own_arguments():
+  def f(a, b):
+    return a * b, {"ab": a * b}
+
+  state = state_with_scale(4.0)
+  (value, aux), grads = jls.scaled_value_and_grad(f, argnums=(0, 1), has_aux=True)(
+      state, 2.0, 3.0)
+  assert float(value) == 6.0 and float(aux["ab"]) == 6.0
+  assert (float(grads[0]), float(grads[1])) == (12.0, 8.0)
+
+
+@pytest.mark.parametrize("argnums, expected", [(-1, 8.0), (1, 8.0), (-2, 12.0), ((-1,), (8.0,))])
+def test_negative_argnums_count_from_the_end_of_the_functions_arguments(argnums, expected):
+  # argnums=-1 used to differentiate the loss scale itself.
+  _, grads = jls.scaled_value_and_grad(lambda a, b: a * b, argnums=argnums)(
+      state_with_scale(4.0), 2.0, 3.0)
+  assert jax.tree.map(float, grads) == expected
+
+
+def test_a_loss_scale_object_instead_of_the_optimizer_state_is_refused():
+  # A loss scale kept outside the optimizer goes stale as soon as the scale moves.
+  with pytest.raises(TypeError, match="takes the optimizer state first.*loss_scale.scale"):
+    jls.scaled_value_and_grad(loss_fn)(jls.DynamicLossScale(), PARAMS, jnp.ones(3))
+
+
+def test_the_scale_is_looked_up_in_any_optimizer_state_that_holds_one():
+  tx = optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(2.0)))
+  _, grads = jls.scaled_value_and_grad(loss_fn)(tx.init(PARAMS), PARAMS, jnp.ones(3))
+  chex.assert_trees_all_equal(grads, jax.tree.map(lambda g: 2 * g, jax.grad(loss_fn)(
+      PARAMS, jnp.ones(3))))
+  with pytest.raises(ValueError, match="found 0"):
+    jls.scaled_value_and_grad(loss_fn)(optax.sgd(0.1).init(PARAMS), PARAMS, jnp.ones(3))
+
+
+def test_the_differentiation_transform_is_a_parameter():
+  calls = []
+
+  def my_value_and_grad(f, has_aux=False, **kwargs):
+    calls.append(kwargs)
+    return jax.value_and_grad(f, has_aux=has_aux, **kwargs)
+
+  state = state_with_scale(2.0)
+  jls.scaled_value_and_grad(loss_fn, value_and_grad=my_value_and_grad)(
+      state, PARAMS, jnp.ones(3))
+  jls.scaled_value_and_grad(loss_fn, argnums=1, value_and_grad=my_value_and_grad)(
+      state, PARAMS, jnp.ones(3))
+  # Transforms without `argnums` (equinox's) are called without it by default.
+  assert calls == [{}, {"argnums": 1}]
+
+
+def test_a_float16_loss_is_scaled_in_float32_and_returned_unscaled():
+  def half_loss(params, x):
+    return jnp.sum((params["w"].astype(jnp.float16) * x.astype(jnp.float16)) ** 2) * 1e-6
+
+  value, grads = jls.scaled_value_and_grad(half_loss)(
+      state_with_scale(2.0**15), PARAMS, jnp.ones(3))
+  assert value.dtype == jnp.float16
+  assert float(value) == float(half_loss(PARAMS, jnp.ones(3)))  # unscaled
+  assert bool(jls.all_finite(grads))
+
+
+def test_the_wrapper_is_named_after_the_loss_function():
+  assert jls.scaled_value_and_grad(loss_fn).__name__ == "scaled_value_and_grad(loss_fn)"
