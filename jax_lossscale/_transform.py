@@ -256,21 +256,23 @@ class LossScaledUpdate:
     _check_state(state)
     decision = decide(grads, state, loss, self.axis_name, self.max_norm)
 
-    def run():
-      return self.inner.update(unscale(grads, decision.factors), state.inner_state, params,
-                               **extra_args)
-
-    def check(updates):
-      return narrow_updates_finite(updates, self.axis_name)
-
     if apply:
       result, skipped = lambda updates: optax.apply_updates(params, updates), params
     else:
-      result = lambda updates: updates  # noqa: E731
-      skipped = _tree.negative_zeros_like(_tree.shapes_of(lambda: run()[0]), like=grads)
+      result, skipped = lambda updates: updates, None
+
+    def run():
+      updates, inner_state = self.inner.update(
+          unscale(grads, decision.factors), state.inner_state, params, **extra_args)
+      return result(updates), inner_state, narrow_updates_finite(updates, self.axis_name)
+
+    # Traced once, however many branches call it (see `_tree.traced_once`).
+    run = _tree.traced_once(run, grads, state, params, extra_args)
+    if skipped is None:
+      skipped = _tree.negative_zeros_like(_tree.shapes_of(run)[0], like=grads)
 
     def by(emit):
-      return lambda: emit(decision.should_apply, run, check, result, skipped, state.inner_state)
+      return lambda: emit(decision.should_apply, run, skipped, state.inner_state)
 
     out, inner_state, updates_finite = _tree.on_platform(
         cpu=by(emit_by_cond), default=by(emit_by_where))
@@ -369,18 +371,16 @@ def narrow_updates_finite(updates: Any, axis_name) -> jax.Array | None:
   return _tree.agree([_tree.finite_after(_tree.largest_magnitudes(narrow))], axis_name)[0]
 
 
-def emit_by_cond(should_apply, run, check, result, skipped, inner_state):
+def emit_by_cond(should_apply, run, skipped, inner_state):
   """CPU: a skipped step runs nothing, and donated buffers are updated in place.
 
   `jnp.where` would make XLA:CPU copy the donated parameters and optimizer state
-  (benchmarks/RESULTS.md). Returns `(result(updates) or skipped, new inner state,
-  whether the narrow updates are finite)`.
+  (benchmarks/RESULTS.md). `run()` gives `(updates or new params, new inner state,
+  whether the narrow updates are finite or None)`; returns the same, chosen.
   """
 
   def applied():
-    updates, new_inner_state = run()
-    finite = check(updates)
-    out = result(updates)
+    out, new_inner_state, finite = run()
     if finite is None:
       return out, new_inner_state, jnp.array(True)
     return (*_tree.cond(finite, lambda: (out, new_inner_state),
@@ -389,15 +389,14 @@ def emit_by_cond(should_apply, run, check, result, skipped, inner_state):
   return _tree.cond(should_apply, applied, lambda: (skipped, inner_state, jnp.array(True)))
 
 
-def emit_by_where(should_apply, run, check, result, skipped, inner_state):
+def emit_by_where(should_apply, run, skipped, inner_state):
   """GPU and TPU: select with `jnp.where`, fused into the optimizer's loop.
 
   A `lax.cond` there would make the host wait for the predicate every step.
   """
-  updates, new_inner_state = run()
-  finite = check(updates)
+  out, new_inner_state, finite = run()
   applied = should_apply if finite is None else should_apply & finite
-  out = _tree.select_tree(applied, result(updates), skipped)
+  out = _tree.select_tree(applied, out, skipped)
   new_inner_state = _tree.select_tree(applied, new_inner_state, inner_state)
   return out, new_inner_state, jnp.array(True) if finite is None else finite
 

@@ -74,11 +74,21 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 def multiply(x: jax.Array, *factors: jax.Array) -> jax.Array:
-  """`x * factor * ...` computed in `compute_dtype(x.dtype)`, in order, cast back."""
-  wide = x.astype(compute_dtype(x.dtype))
+  """`x * factor * ...` computed in `compute_dtype(x.dtype)`, in order, cast back.
+
+  `factors` are real scalars. Written with `lax` primitives: it runs once per leaf
+  when a step is traced, where `jnp`'s dispatch would cost more than the rest.
+  """
+  x = jnp.asarray(x)
+  wide_dtype = compute_dtype(x.dtype)
+  wide = x if x.dtype == wide_dtype else jax.lax.convert_element_type(x, wide_dtype)
+  real = jnp.finfo(wide_dtype).dtype
   for factor in factors:
-    wide = wide * factor
-  return wide.astype(x.dtype)
+    factor = jax.lax.convert_element_type(factor, real)
+    if real != wide_dtype:  # complex leaves: a real factor scales both parts
+      factor = jax.lax.convert_element_type(factor, wide_dtype)
+    wide = jax.lax.mul(wide, jax.lax.broadcast_in_dim(factor, wide.shape, ()))
+  return wide if wide.dtype == x.dtype else jax.lax.convert_element_type(wide, x.dtype)
 
 
 # --- finiteness --------------------------------------------------------------------
@@ -308,12 +318,12 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   def select(a, b):
     if not is_array(a):
       return a
-    if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+    if not is_array(b) or a.shape != b.shape or a.dtype != b.dtype:
       raise TypeError(
           "select_tree: leaves must have the same shape and dtype, got "
           f"{jnp.shape(a)}/{jnp.result_type(a)} and {jnp.shape(b)}/{jnp.result_type(b)}."
       )
-    return jnp.where(pred, a, b)
+    return jax.lax.select_n(pred, b, a)  # jnp.where, without its per-call dispatch
 
   return jax.tree.map(select, on_true, on_false)
 
@@ -352,6 +362,33 @@ def cond(pred: jax.Array, true_fn, false_fn) -> Any:
   See `through_arrays`; both functions take no arguments.
   """
   return through_arrays(lambda t, f: jax.lax.cond(pred, t, f), true_fn, false_fn)
+
+
+def traced_once(fn, *inputs: Any):
+  """`fn` (no arguments) as a function that is traced at most once.
+
+  Inside `jit` (when any of `inputs` is traced), `fn` is wrapped in a nested `jit`,
+  whose trace is cached: calling the result in each branch of a `lax.cond` and of
+  `platform_dependent` traces `fn` once, and XLA inlines the calls. Tracing an
+  optimizer over a thousand leaves costs as much as compiling hundreds of them.
+  Outside `jit`, `fn` itself is returned. Outputs may hold static leaves.
+  """
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
+    return fn
+  static = []
+
+  @jax.jit
+  def arrays():
+    leaves, treedef = jax.tree.flatten(fn())
+    static[:] = [(treedef, leaves)]
+    return [x for x in leaves if is_array(x)]
+
+  def call():
+    values = iter(arrays())
+    treedef, leaves = static[0]
+    return jax.tree.unflatten(treedef, [next(values) if is_array(x) else x for x in leaves])
+
+  return call
 
 
 def shapes_of(fn) -> Any:
