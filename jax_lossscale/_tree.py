@@ -30,9 +30,12 @@ AxisName = Hashable | Sequence[Hashable] | None
 # _CHUNK elements and _OPERANDS leaves: each reduction XLA:CPU compiles costs about as
 # much as the optimizer's own kernel for that leaf, and a concatenation's compile time
 # grows faster than its operand count (benchmarks/RESULTS.md, "Compile time").
-_SMALL = 1 << 15
+_SMALL = 1 << 12
 _CHUNK = 1 << 20
 _OPERANDS = 64
+# Leaves of at least _SPLIT elements are reduced in _SPLIT_ROWS independent rows.
+_SPLIT = 1 << 20
+_SPLIT_ROWS = 4
 
 
 def is_array(x: Any) -> bool:
@@ -118,7 +121,22 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
   x = jnp.where(jnp.isnan(x), inf, x)
   if x.ndim == 0:
     return jnp.abs(x)
-  largest, smallest = jax.lax.reduce((x, x), (-inf, inf), _max_min, tuple(range(x.ndim)))
+  if x.size >= _SPLIT:
+    # Reduced as _SPLIT_ROWS rows (and a remainder), which XLA:CPU spreads over its
+    # threads: a single scalar reduction of 10**7 values runs on one core.
+    flat = x.reshape(-1)
+    rows, rest = divmod(flat.size, _SPLIT_ROWS)
+    parts = [_reduce_max_min(flat[:rows * _SPLIT_ROWS].reshape(_SPLIT_ROWS, rows), (1,))]
+    if rest:
+      parts.append(_reduce_max_min(flat[rows * _SPLIT_ROWS:], (0,))[None])
+    return jnp.max(jnp.concatenate(parts))
+  return _reduce_max_min(x, tuple(range(x.ndim)))
+
+
+def _reduce_max_min(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """`max |x|` over `axes` of a real array without NaN, from one variadic reduction."""
+  inf = jnp.array(jnp.inf, x.dtype)
+  largest, smallest = jax.lax.reduce((x, x), (-inf, inf), _max_min, axes)
   return jax.lax.max(largest, -smallest)
 
 

@@ -107,6 +107,18 @@ def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
       assert bool(nonfinite(x)), (name, position)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_leaves_reduced_in_rows_lose_no_bad_value(dtype, bad):
+  # Leaves of 2**20 elements or more are reduced as 4 rows plus a remainder.
+  n = (1 << 20) + 3
+  check = jax.jit(lambda x: ~jnp.isfinite(_tree.largest_magnitude(x)))
+  base = jnp.full(n, 0.5, dtype).at[12345].set(-7.0)
+  assert float(_tree.largest_magnitude(base)) == 7.0
+  for position in (0, n // 4 - 1, n // 4, n // 2, 3 * (n // 4), n - 4, n - 1):
+    assert bool(check(base.at[position].set(bad))), position
+
+
 def test_a_nan_among_thousands_of_leaves_is_not_lost():
   # Per-leaf maxima are combined with one more max-reduction, over as many values.
   leaves = [np.float32(0.5)] * 4100
