@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _tree
+from jax_lossscale import _validation
 
 
 def nonfinite_leaves(tree: Any) -> Any:
@@ -89,7 +90,12 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     grads: float32 (or unscaled) gradients; inf/NaN values are left out.
     dtype: the target dtype: float16 (default), bfloat16, or a float8 type such as
       `jnp.float8_e4m3fn` / `jnp.float8_e5m2`.
-    loss_scale: the scale to try (a number or scalar array).
+    loss_scale: the scale to try: a positive number or scalar array, finite in
+      float32 (checked unless traced).
+
+  Raises:
+    ValueError: for a non-floating `dtype`, or a `loss_scale` that is not a positive
+      float32 number.
 
   Returns:
     A dict of scalar arrays: `nonzero` (count of finite non-zero values),
@@ -101,6 +107,8 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"gradient_stats: `dtype` must be a floating dtype, got {dtype}.")
+  if _validation.concrete_values(loss_scale) is not None:
+    _validation.scale("loss_scale", loss_scale)
   smallest_normal = float(jnp.finfo(dtype).smallest_normal)
   counts = {"nonzero": 0, "underflow": 0, "subnormal": 0, "overflow": 0}
   max_abs, min_abs = jnp.float32(0), jnp.float32(jnp.inf)
@@ -128,14 +136,17 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
 
 
 class LossScaleAdvice(NamedTuple):
-  """The result of `recommend_loss_scale`.
+  """The result of `recommend_loss_scale`. Every scale is a float32 power of two.
 
   Attributes:
-    max_scale: the largest power of two that overflows nothing.
+    max_scale: the largest power of two that overflows nothing (at most 2**127).
     min_scale: the smallest power of two at which nothing underflows to zero; above
       `max_scale` when the gradients span more than `dtype` can hold.
-    recommended: a power of two in `[1, max_scale]` for `FixedLossScale`:
-      `max_scale / headroom`, raised towards `min_scale` where the range allows.
+    recommended: the scale to use: a power of two in `[1, max_scale]`, for
+      `FixedLossScale`, `max_scale / headroom` raised towards `min_scale` where the
+      range allows. Only when even the unscaled gradients overflow `dtype`
+      (`max_scale < 1`) is it `max_scale` itself, which a `FixedLossScale` cannot
+      hold: `DynamicLossScale(advice.recommended, min_loss_scale=0)` can.
     underflow_fraction: the fraction of non-zero values lost to zero at
       `recommended`.
     overflow_fraction: the fraction that overflows at `recommended`.
@@ -155,7 +166,8 @@ def recommend_loss_scale(
 
   Args:
     grads: representative float32 gradients (e.g. from a float32 step).
-    dtype: the low-precision dtype the gradients will be computed in.
+    dtype: the low-precision dtype the gradients will be computed in: float16,
+      bfloat16 or a float8 type.
     headroom: a safety margin for gradients that grow later in training; the
       recommendation stays this factor below the overflow limit when it can.
 
@@ -163,28 +175,39 @@ def recommend_loss_scale(
     A `LossScaleAdvice`.
 
   Raises:
-    ValueError: if `headroom` < 1 or the gradients have no finite non-zero value.
+    ValueError: if `headroom` is not a finite number >= 1, or the gradients have
+      no finite non-zero value.
   """
-  if not headroom >= 1:
+  headroom = _validation.real("headroom", headroom)
+  if headroom < 1:
     raise ValueError(f"recommend_loss_scale: `headroom` must be >= 1, got {headroom!r}.")
   stats = jax.device_get(gradient_stats(grads, dtype))
   if int(stats["nonzero"]) == 0:
     raise ValueError("recommend_loss_scale: the gradients have no finite non-zero value.")
   finfo = jnp.finfo(dtype)
+  # Below float32's smallest normal, XLA flushes to zero: bfloat16's subnormals are lost.
+  smallest = max(float(finfo.smallest_subnormal), _validation.FLOAT32_TINY)
   max_scale = _power_of_two_at_most(float(finfo.max) / float(stats["max_abs"]))
-  min_scale = _power_of_two_at_least(float(finfo.smallest_subnormal) / float(stats["min_abs"]))
-  recommended = max(min(max_scale / headroom, max_scale), min(min_scale, max_scale), 1.0)
+  min_scale = _power_of_two_at_least(smallest / float(stats["min_abs"]))
+  if max_scale >= 1:
+    recommended = min(max(max_scale / headroom, min(min_scale, max_scale), 1.0), max_scale)
+  else:
+    recommended = max_scale
   at = jax.device_get(gradient_stats(grads, dtype, recommended))
   return LossScaleAdvice(max_scale, min_scale, recommended,
                          float(at["underflow_fraction"]), float(at["overflow_fraction"]))
 
 
+# Every advice is a float32 power of two: normal, and finite.
+_LARGEST, _SMALLEST = 127, -126
+
+
 def _power_of_two_at_most(x: float) -> float:
   mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
-  return math.ldexp(1.0, exponent - 1)
+  return math.ldexp(1.0, min(max(exponent - 1, _SMALLEST), _LARGEST))
 
 
 def _power_of_two_at_least(x: float) -> float:
   mantissa, exponent = math.frexp(x)
-  return math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
-
+  return math.ldexp(1.0, min(max(exponent - 1 if mantissa == 0.5 else exponent, _SMALLEST),
+                             _LARGEST))

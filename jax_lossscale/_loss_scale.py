@@ -456,11 +456,12 @@ def _check_dynamic_config(ls: DynamicLossScale) -> dict[str, Any]:
           f"({ls.min_loss_scale!r}).")
   initial = checked["initial_loss_scale"] = v.scale("initial_loss_scale",
                                                     ls.initial_loss_scale)
-  maximum = v.FLOAT32_MAX if checked["max_loss_scale"] is None else checked["max_loss_scale"]
-  if not minimum <= initial <= maximum:
-    raise ValueError(
-        f"`initial_loss_scale` must lie in [min_loss_scale, max_loss_scale] = "
-        f"[{minimum!r}, {checked['max_loss_scale']!r}], got {ls.initial_loss_scale!r}.")
+  if initial < minimum:
+    raise ValueError(f"`initial_loss_scale` must be >= `min_loss_scale` ({minimum!r}), got "
+                     f"{ls.initial_loss_scale!r}.")
+  if checked["max_loss_scale"] is not None and initial > checked["max_loss_scale"]:
+    raise ValueError(f"`initial_loss_scale` must be <= `max_loss_scale` "
+                     f"({checked['max_loss_scale']!r}), got {ls.initial_loss_scale!r}.")
   return checked
 
 

@@ -22,6 +22,12 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal; XLA flushes 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def _f32(number: float) -> float:
+  """`number` rounded to float32 (inf where it overflows), without NumPy's warning."""
+  with np.errstate(over="ignore"):
+    return float(np.float32(number))
+
+
 def _describe(value: Any) -> str:
   return f"{value!r} ({type(value).__name__})"
 
@@ -74,7 +80,7 @@ def integer(name: str, value: Any, minimum: int, maximum: int = INT32_MAX) -> in
 def float32(name: str, value: Any) -> float:
   """A real number that stays finite when rounded to float32; returned as given."""
   number = real(name, value)
-  if not math.isfinite(float(np.float32(number))):
+  if not math.isfinite(_f32(number)):
     raise ValueError(
         f"`{name}` must be at most {FLOAT32_MAX:.8g}, the largest float32 (it is used "
         f"in float32), got {value!r}, which is inf in float32.")
@@ -88,7 +94,7 @@ def scale(name: str, value: Any, minimum: float = 0.0) -> float:
     raise ValueError(f"`{name}` must be >= {minimum:g}, got {value!r}.")
   if number <= 0:
     raise ValueError(f"`{name}` must be positive, got {value!r}.")
-  if abs(float(np.float32(number))) < FLOAT32_TINY:
+  if abs(_f32(number)) < FLOAT32_TINY:
     raise ValueError(
         f"`{name}` must be at least {FLOAT32_TINY:.8g}, the smallest normal float32 "
         f"(XLA flushes smaller ones to 0), got {value!r}.")
@@ -102,7 +108,7 @@ def floor(name: str, value: Any) -> float:
     return 0.0
   if number < 0:
     raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
-  if float(np.float32(number)) < FLOAT32_TINY:
+  if _f32(number) < FLOAT32_TINY:
     raise ValueError(
         f"`{name}` must be 0 (no floor) or at least {FLOAT32_TINY:.8g}, the smallest "
         f"normal float32: {value!r} rounds (or is flushed by XLA) to 0 in float32.")
@@ -114,7 +120,7 @@ def growth_factor(name: str, value: Any) -> float:
   number = float32(name, value)
   if number <= 1:
     raise ValueError(f"`{name}` must be > 1, got {value!r}.")
-  if float(np.float32(number)) <= 1:
+  if _f32(number) <= 1:
     raise ValueError(
         f"`{name}` must exceed 1 by at least float32's rounding (2**-24): {value!r} "
         "rounds to 1.0, so the loss scale would never grow.")
@@ -126,7 +132,7 @@ def shrink_factor(name: str, value: Any) -> float:
   number = real(name, value)
   if not 0 < number < 1:
     raise ValueError(f"`{name}` must be in (0, 1), got {value!r}.")
-  rounded = float(np.float32(number))
+  rounded = _f32(number)
   if rounded >= 1:
     raise ValueError(
         f"`{name}` must be below 1 by at least float32's rounding (2**-25): {value!r} "

@@ -74,22 +74,27 @@ class Documented:
 
 
 class PyTorch:
-  """torch.amp.GradScaler (`_amp_update_scale_`): float32 scale, growth only if finite."""
+  """torch.amp.GradScaler (`_amp_update_scale_cpu_`): float32 scale, growth only if finite.
+
+  The kernel multiplies the float scale by the factor, a C++ double, and stores the
+  double product into the float: `(float)((double)scale * factor)`, which Python's
+  float arithmetic reproduces exactly.
+  """
 
   def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                growth_interval=2000, flush_subnormals=False):
     self.round = xla_f32 if flush_subnormals else f32
     self.scale, self.tracker = f32(init_scale), 0
-    self.growth, self.backoff = f32(growth_factor), f32(backoff_factor)
+    self.growth, self.backoff = float(growth_factor), float(backoff_factor)
     self.interval = growth_interval
 
   def step(self, finite):
     if not finite:
-      self.scale, self.tracker = self.round(self.scale * self.backoff), 0
+      self.scale, self.tracker = self.round(float(self.scale) * self.backoff), 0
       return False
     successful = self.tracker + 1
     if successful == self.interval:
-      new = self.round(self.scale * self.growth)
+      new = self.round(float(self.scale) * self.growth)
       if np.isfinite(new):
         self.scale = new
       self.tracker = 0

@@ -173,6 +173,25 @@ def test_advisor_recommendation_is_a_valid_fixed_loss_scale():
   assert advice.recommended == 1.0 and jls.FixedLossScale(advice.recommended)
 
 
+def test_advisor_for_bfloat16_recommends_finite_float32_powers_of_two():
+  # With small gradients it used to recommend about 2e40, which is inf in float32.
+  grads = {"g": jnp.array([2.0**-30, 2.0**-20, 1e-3], jnp.float32)}
+  advice = jls.recommend_loss_scale(grads, jnp.bfloat16)
+  for value in (advice.max_scale, advice.min_scale, advice.recommended):
+    assert np.isfinite(np.float32(value)) and np.log2(value).is_integer()
+  assert 1 <= advice.recommended <= advice.max_scale
+  assert advice.overflow_fraction == 0 and advice.underflow_fraction == 0
+  assert jls.FixedLossScale(advice.recommended)
+
+
+def test_advisor_when_even_unscaled_gradients_overflow_the_dtype():
+  # It used to recommend 1.0 with max_scale 0.5: outside its own stated range.
+  advice = jls.recommend_loss_scale({"g": jnp.array([1e5, 1.0], jnp.float32)})
+  assert advice.max_scale == advice.recommended == 0.5
+  assert advice.overflow_fraction == 0
+  assert float(jls.DynamicLossScale(advice.recommended, min_loss_scale=0)()) == 0.5
+
+
 @pytest.mark.parametrize("headroom", [0.5, -1, float("nan")])
 def test_advisor_rejects_bad_headroom(headroom):
   with pytest.raises(ValueError, match="headroom"):

@@ -50,6 +50,13 @@ CASES = {
     "pytorch_small": (presets.pytorch, ref.PyTorch,
                       dict(init_scale=4.0, growth_factor=1.5, backoff_factor=0.25,
                            growth_interval=4)),
+    # Factors that are not float32 numbers: PyTorch multiplies by them as doubles.
+    "pytorch_inexact_factors": (presets.pytorch, ref.PyTorch,
+                                dict(init_scale=2.0**16, growth_factor=1.1, backoff_factor=0.7,
+                                     growth_interval=3)),
+    "pytorch_inexact_growth": (presets.pytorch, ref.PyTorch,
+                               dict(init_scale=3.0, growth_factor=1.3, backoff_factor=0.55,
+                                    growth_interval=2)),
     "deepspeed": (presets.deepspeed, ref.DeepSpeed, {}),
     "deepspeed_class_defaults": (presets.deepspeed, ref.DeepSpeed,
                                  dict(init_scale=2.0**32, delayed_shift=1)),
@@ -102,6 +109,38 @@ def test_preset_matches_reference_model_step_by_step(case, seed):
       assert left[i] == max(model_hysteresis, 0), (case, i)  # Megatron lets it go negative
   # The sequences really exercise both directions.
   assert scales.max() > scales[0] or scales.min() < scales[0]
+
+
+@pytest.mark.parametrize("factor", [0.7, 0.9, 0.3, 1 / 3, 0.999])
+def test_pytorch_backoff_by_any_factor_equals_double_arithmetic(factor):
+  # With a float32 product instead, the first backoff by 0.7 is already an ulp off.
+  scale = np.float32(2.0**16)
+  loss_scale = presets.pytorch(init_scale=float(scale), backoff_factor=factor)
+  scales = np.asarray(replay(loss_scale, jnp.zeros(60, bool))[0])
+  expected = []
+  for _ in range(60):
+    scale = ref.xla_f32(float(scale) * factor)
+    expected.append(scale)
+  np.testing.assert_array_equal(scales, np.array(expected, np.float32))
+  # A float32 product of the same factor would have left PyTorch's trajectory.
+  float32_scales, scale = [], np.float32(2.0**16)
+  for _ in range(60):
+    scale = ref.xla_f32(scale * np.float32(factor))
+    float32_scales.append(scale)
+  assert float32_scales != expected
+
+
+def test_presets_name_their_own_arguments_in_errors():
+  with pytest.raises(ValueError, match=r"`growth_interval` must be >= 1, got -1"):
+    presets.flax(growth_interval=-1)
+  with pytest.raises(ValueError, match=r"`init_scale` must be at most 3.4"):
+    presets.pytorch(init_scale=1e39)
+  with pytest.raises(ValueError, match=r"`delayed_shift` must be >= 1"):
+    presets.deepspeed(delayed_shift=0)
+  with pytest.raises(ValueError, match=r"`initial_scale` must be >= `min_scale` \(8.0\)"):
+    presets.megatron(min_scale=8.0, initial_scale=4.0)
+  with pytest.raises(ValueError, match=r"`period` must be"):
+    presets.jmp(period=2**31)
 
 
 def test_floorless_scale_flushes_to_zero_below_float32_normals():

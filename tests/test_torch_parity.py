@@ -15,7 +15,11 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.parametrize("kwargs", [dict(init_scale=2.0**16, growth_interval=20),
                                     dict(init_scale=8.0, growth_factor=4.0,
-                                         backoff_factor=0.25, growth_interval=3)])
+                                         backoff_factor=0.25, growth_interval=3),
+                                    dict(init_scale=2.0**16, growth_factor=1.1,
+                                         backoff_factor=0.7, growth_interval=3),
+                                    dict(init_scale=3.0, growth_factor=1.5,
+                                         backoff_factor=0.55, growth_interval=2)])
 def test_real_grad_scaler_and_preset_agree_step_by_step(kwargs):
   finite = test_parity.finite_sequence(3, kwargs["growth_interval"])[:600]
   param = torch.nn.Parameter(torch.ones(3))

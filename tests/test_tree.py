@@ -29,6 +29,50 @@ def test_all_finite_finds_a_bad_value_among_huge_finite_ones(dtype, bad):
   assert not bool(jls.all_finite(tree))
 
 
+# Every floating dtype JAX has (the float6 types cannot even be built on XLA:CPU).
+NARROW = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz,
+          jnp.float8_e8m0fnu, jnp.float8_e5m2, jnp.float8_e4m3, jnp.float8_e3m4,
+          jnp.float4_e2m1fn]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+def test_every_narrow_type_counts_finite_values_finite_and_nan_not(dtype):
+  # Types without an inf (e4m3fn, ...) used to count as non-finite always: the
+  # reduction started from and replaced NaN with inf, which is NaN there.
+  x = jnp.array([1.0, 2.0, 0.5], dtype)
+  assert bool(jls.all_finite([x])) and bool(jax.jit(jls.all_finite)([x]))
+  # float4_e2m1fn has neither inf nor NaN (both saturate to 6).
+  if np.isnan(np.float32(jnp.array(jnp.nan, dtype))):
+    assert not bool(jls.all_finite([x.at[1].set(jnp.nan)]))
+  if np.isinf(np.float32(jnp.array(jnp.inf, dtype))):
+    assert not bool(jls.all_finite([x.at[1].set(jnp.inf)]))
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+def test_scale_and_unscale_narrow_leaves_in_float32(dtype):
+  # They raised TypePromotionError: float8 types do not promote implicitly.
+  x = jnp.array([1.0, 2.0, 0.5], dtype)
+  loss_scale = jls.FixedLossScale(2.0)
+  scaled = loss_scale.scale(x)
+  assert scaled.dtype == dtype
+  np.testing.assert_array_equal(np.float32(scaled), [2.0, 4.0, 1.0])
+  np.testing.assert_array_equal(np.float32(loss_scale.unscale(scaled)), np.float32(x))
+
+
+def test_float64_leaves_are_checked_in_float64_under_x64():
+  # Their largest magnitudes were cast to float32: 1e300 counted as inf.
+  with jax.enable_x64(True):
+    big = jnp.array([1e300, -2.0], jnp.float64)
+    assert bool(jls.all_finite([big])) and bool(jax.jit(jls.all_finite)([big]))
+    assert not bool(jls.all_finite([big.at[1].set(jnp.nan)]))
+    loss_scale, should_apply = jls.DynamicLossScale(8.0).update({"g": big})
+    assert bool(should_apply)
+    tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(4.0))
+    updates, state = jax.jit(tx.update)({"w": big * 4}, tx.init({"w": big}))
+    assert bool(state.last_applied) and updates["w"].dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(updates["w"]), -np.asarray(big))
+
+
 def test_all_finite_ignores_zero_size_leaves():
   assert bool(jls.all_finite({"empty": jnp.zeros((0, 3)), "w": jnp.ones(2)}))
   assert not bool(jls.all_finite({"empty": jnp.zeros((0,)), "w": jnp.array([jnp.nan])}))
