@@ -17,6 +17,8 @@ from jax_lossscale._monitoring import LossScaleStuckError
 from jax_lossscale._monitoring import get_loss_scale
 from jax_lossscale._monitoring import metrics
 from jax_lossscale._monitoring import raise_if_stuck
+from jax_lossscale._policy import Policy
+from jax_lossscale._policy import get_policy
 from jax_lossscale._serialization import deserialize
 from jax_lossscale._serialization import get
 from jax_lossscale._serialization import serialize
@@ -41,10 +43,12 @@ __all__ = (
     "LossScalingState",
     "LossScalingTransformation",
     "NoOpLossScale",
+    "Policy",
     "all_finite",
     "deserialize",
     "get",
     "get_loss_scale",
+    "get_policy",
     "gradient_stats",
     "loss_scaling",
     "metrics",

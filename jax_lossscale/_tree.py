@@ -63,8 +63,12 @@ def is_narrow(dtype) -> bool:
 
 
 def has_short_range(dtype) -> bool:
-  """Whether a floating dtype overflows below float32's largest value (float16, float8)."""
-  return float(jnp.finfo(dtype).max) < float(jnp.finfo(jnp.float32).max)
+  """Whether a floating dtype has a narrower exponent range than float32.
+
+  float16 and the float8 types do; bfloat16 has float32's (a value it cannot hold
+  squares to inf in float32).
+  """
+  return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
 
 
 def compute_dtype(dtype) -> jnp.dtype:

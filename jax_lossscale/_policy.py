@@ -1,0 +1,157 @@
+"""Mixed-precision policies: jmp's `Policy` and `get_policy`, and the loss scale each needs.
+
+A policy names three dtypes: parameters are stored in `param_dtype`, the forward and
+backward passes compute in `compute_dtype`, and the model's outputs are returned in
+`output_dtype`. The string grammar is jmp's: `"params=float32,compute=float16,
+output=float32"`, with the keys shortened to `p`, `c`, `o` and dtypes to `f32`, `f16`,
+`bf16`, `f64`, `full` (float32) or `half` (bfloat16 on TPU, float16 elsewhere).
+Unlike jmp, a policy also says which loss scale its compute dtype calls for, so one
+string switches an experiment between bfloat16 on TPU and float16 on GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale import _loss_scale
+from jax_lossscale import _tree
+
+_NAMES = {
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16, "float16": jnp.float16,
+    "full": jnp.float32, "f32": jnp.float32, "float32": jnp.float32,
+    "f64": jnp.float64, "float64": jnp.float64,
+}
+_SHORT = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
+          jnp.dtype(jnp.float32): "full", jnp.dtype(jnp.float64): "f64"}
+_KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
+         "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
+
+
+def half_dtype() -> jnp.dtype:
+  """The half-precision dtype of this backend: bfloat16 on TPU, float16 elsewhere."""
+  return jnp.dtype(jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16)
+
+
+def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+  """Casts the real floating array leaves of `tree`; everything else is untouched."""
+  def cast(x):
+    if _tree.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dtype)
+    return x
+  return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Which dtype parameters, computation and outputs use (jmp's `Policy`).
+
+  Args:
+    param_dtype: the dtype parameters are stored (and optimized) in.
+    compute_dtype: the dtype of the forward and backward passes.
+    output_dtype: the dtype the model's outputs are returned in.
+
+  Raises:
+    ValueError: naming the field, for a dtype that is not a real floating dtype.
+  """
+
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      try:
+        dtype = jnp.dtype(value)
+      except TypeError:
+        dtype = None
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`{field.name}` must be a floating dtype such as jnp.float16, got {value!r}.")
+      object.__setattr__(self, field.name, dtype)
+
+  def cast_to_param(self, tree: Any) -> Any:
+    """Casts the floating leaves of `tree` to `param_dtype`; other leaves pass through."""
+    return _cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: Any) -> Any:
+    """Casts the floating leaves of `tree` to `compute_dtype`; other leaves pass through."""
+    return _cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: Any) -> Any:
+    """Casts the floating leaves of `tree` to `output_dtype`; other leaves pass through."""
+    return _cast_floating(tree, self.output_dtype)
+
+  def with_output_dtype(self, output_dtype: Any) -> Policy:
+    """This policy with another `output_dtype`."""
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def loss_scale(self) -> _loss_scale.LossScale:
+    """The loss scale this policy's `compute_dtype` calls for.
+
+    A `DynamicLossScale()` when gradients computed in `compute_dtype` can underflow
+    where float32's would not (float16 and the float8 types: a narrower exponent
+    range); a `NoOpLossScale()` for float32, float64 and bfloat16, which has
+    float32's range. Pass it to `loss_scaling`.
+    """
+    if _tree.has_short_range(self.compute_dtype):
+      return _loss_scale.DynamicLossScale()
+    return _loss_scale.NoOpLossScale()
+
+  def __str__(self) -> str:
+    names = [_SHORT.get(d, d.name) for d in (self.param_dtype, self.compute_dtype,
+                                              self.output_dtype)]
+    return "p={},c={},o={}".format(*names)
+
+
+def _parse_dtype(value: str, policy_name: str) -> jnp.dtype:
+  if value == "half":
+    return half_dtype()
+  try:
+    return jnp.dtype(_NAMES[value])
+  except KeyError:
+    raise ValueError(
+        f"Unknown dtype {value!r} in policy {policy_name!r}: use one of "
+        f"{sorted(_NAMES) + ['half']}.") from None
+
+
+def get_policy(policy_name: str) -> Policy:
+  """A `Policy` from jmp's string grammar, giving the same dtypes as `jmp.get_policy`.
+
+  `"c=f16"` means params float32, compute and output float16: unspecified params are
+  float32, compute follows params, output follows compute. A single dtype name
+  (`"half"`, `"f32"`) sets all three. Keys may repeat; the last wins.
+
+  Args:
+    policy_name: e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=half"`.
+
+  Returns:
+    The `Policy`.
+
+  Raises:
+    ValueError: for an unknown key or dtype, or a part that is not `key=dtype`.
+  """
+  if not isinstance(policy_name, str):
+    raise ValueError(f"`policy_name` must be a string such as 'p=f32,c=f16', got "
+                     f"{policy_name!r}.")
+  if "=" not in policy_name:
+    dtype = _parse_dtype(policy_name, policy_name)
+    return Policy(dtype, dtype, dtype)
+  chosen = {"param_dtype": jnp.dtype(jnp.float32)}
+  for part in policy_name.split(","):
+    key, sep, value = part.partition("=")
+    if not sep or "=" in value:
+      raise ValueError(f"Each part of policy {policy_name!r} must be key=dtype, got {part!r}.")
+    if key not in _KEYS:
+      raise ValueError(
+          f"Unknown key {key!r} in policy {policy_name!r}: use 'params', 'compute' or "
+          "'output' (or 'p', 'c', 'o').")
+    chosen[_KEYS[key]] = _parse_dtype(value, policy_name)
+  chosen.setdefault("compute_dtype", chosen["param_dtype"])
+  chosen.setdefault("output_dtype", chosen["compute_dtype"])
+  return Policy(**chosen)

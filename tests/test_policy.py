@@ -1,0 +1,123 @@
+"""Specification of the precision policy, against DeepMind's jmp."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+NAMES = ["bf16", "bfloat16", "f16", "float16", "full", "f32", "float32", "f64", "float64",
+         "half"]
+KEYS = {"p": ["p", "params"], "c": ["c", "compute"], "o": ["o", "output"]}
+
+
+def jmp_strings():
+  """Every string jmp's grammar accepts, up to repeated keys."""
+  yield from NAMES
+  for size in (1, 2, 3):
+    for keys in itertools.permutations("pco", size):
+      for spellings in itertools.product(*(KEYS[k] for k in keys)):
+        for values in itertools.product(NAMES, repeat=size):
+          yield ",".join(f"{k}={v}" for k, v in zip(spellings, values, strict=True))
+
+
+def test_get_policy_gives_the_same_dtypes_as_jmp_for_every_string_it_accepts():
+  count = 0
+  for name in jmp_strings():
+    ours, theirs = jls.get_policy(name), jmp.get_policy(name)
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      assert getattr(ours, field) == jnp.dtype(getattr(theirs, field)), (name, field)
+    count += 1
+  assert count > 9000
+
+
+def test_c_f16_means_float32_params_and_float16_compute_and_output():
+  policy = jls.get_policy("c=f16")
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
+      jnp.float32, jnp.float16, jnp.float16)
+  assert str(policy) == "p=full,c=f16,o=f16" == str(jmp.get_policy("c=f16"))
+
+
+def test_half_is_bfloat16_on_tpu_and_float16_elsewhere():
+  expected = jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
+  assert jls.get_policy("half").compute_dtype == expected
+  assert jls.get_policy("half").compute_dtype == jnp.dtype(jmp.half_dtype())
+
+
+@pytest.mark.parametrize("name, match", [
+    ("c=f8", "Unknown dtype 'f8'"), ("x=f16", "Unknown key 'x'"), ("C=f16", "Unknown key 'C'"),
+    ("p=f16,,c=f32", "must be key=dtype"), ("c=f16=f32", "must be key=dtype"),
+    ("", "Unknown dtype ''"), ("p = f16", "Unknown key 'p '"), (16, "`policy_name`")])
+def test_get_policy_refuses_an_unknown_key_or_dtype_with_a_clear_message(name, match):
+  with pytest.raises(ValueError, match=match):
+    jls.get_policy(name)
+
+
+def test_policy_refuses_a_dtype_that_is_not_floating():
+  with pytest.raises(ValueError, match="`compute_dtype` must be a floating dtype"):
+    jls.Policy(jnp.float32, jnp.int8, jnp.float32)
+  with pytest.raises(ValueError, match="`output_dtype`"):
+    jls.Policy(jnp.float32, jnp.float16, "nope")
+
+
+def test_casts_touch_floating_leaves_only():
+  policy = jls.get_policy("p=f32,c=f16,o=f32")
+  tree = {"w": jnp.ones(2), "step": jnp.array(3), "mask": jnp.array([True]), "none": None,
+          "name": "mlp", "act": jax.nn.relu, "np": np.ones(2, np.float64),
+          "python": 1.5, "complex": jnp.ones(1, jnp.complex64)}
+  cast = policy.cast_to_compute(tree)
+  assert cast["w"].dtype == jnp.float16 and cast["np"].dtype == jnp.float16
+  for key in ("step", "mask", "none", "name", "act", "python", "complex"):
+    assert cast[key] is tree[key]
+  assert policy.cast_to_output(cast)["w"].dtype == jnp.float32
+  assert policy.cast_to_param(cast)["w"].dtype == jnp.float32
+  # The same as jmp, leaf for leaf (jmp leaves complex leaves alone too).
+  theirs = jmp.get_policy("p=f32,c=f16,o=f32").cast_to_compute(tree)
+  assert jax.tree.map(lambda a, b: a is b or a.dtype == b.dtype, cast, theirs)
+
+
+def test_casts_work_under_jit():
+  policy = jls.get_policy("c=bf16")
+  out = jax.jit(policy.cast_to_compute)({"w": jnp.ones(3), "i": jnp.arange(3)})
+  assert out["w"].dtype == jnp.bfloat16 and out["i"].dtype == jnp.int32
+
+
+def test_with_output_dtype():
+  policy = jls.get_policy("c=f16").with_output_dtype(jnp.float32)
+  assert (policy.compute_dtype, policy.output_dtype) == (jnp.float16, jnp.float32)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("c=f16", jls.DynamicLossScale), ("p=f16", jls.DynamicLossScale),
+    ("c=bf16", jls.NoOpLossScale), ("full", jls.NoOpLossScale), ("f64", jls.NoOpLossScale)])
+def test_each_policy_calls_for_the_loss_scale_its_compute_dtype_needs(name, expected):
+  assert type(jls.get_policy(name).loss_scale()) is expected
+  float8 = jls.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32)
+  assert isinstance(float8.loss_scale(), jls.DynamicLossScale)
+
+
+def test_one_string_switches_an_experiment_between_bfloat16_and_float16():
+  def train(policy_name):
+    policy = jls.get_policy(policy_name)
+    params = policy.cast_to_param({"w": jnp.linspace(-1.0, 1.0, 8)})
+    tx = jls.loss_scaling(optax.adam(1e-2), policy.loss_scale())
+    state = tx.init(params)
+
+    def loss_fn(params, x):
+      x, params = policy.cast_to_compute((x, params))
+      return policy.cast_to_output(jnp.mean((params["w"] * x) ** 2))
+
+    grad_fn = jls.scaled_value_and_grad(loss_fn)
+    for _ in range(3):
+      loss, grads = grad_fn(state, params, jnp.ones(8))
+      params, state = tx.apply_gradients(grads, state, params, loss=loss)
+    return params, state
+
+  for name in ("p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"):
+    params, state = train(name)
+    assert params["w"].dtype == jnp.float32 and int(state.skipped_steps) == 0
