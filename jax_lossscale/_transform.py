@@ -376,7 +376,7 @@ def emit_by_cond(should_apply, run, skipped, inner_state):
 
   `jnp.where` would make XLA:CPU copy the donated parameters and optimizer state
   (benchmarks/RESULTS.md). `run()` gives `(updates or new params, new inner state,
-  whether the narrow updates are finite or None)`; returns the same, chosen.
+  whether the narrow updates are finite or None)`; returns the chosen ones.
   """
 
   def applied():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -126,11 +127,11 @@ def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossS
   opt_state = tx.init(params)
   grad_fn = jls.scaled_value_and_grad(loss_fn)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, x, y):
     loss, grads = grad_fn(opt_state, params, x, y, dtype)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, (loss, jls.metrics(opt_state))
+    params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss)
+    return params, opt_state, (loss, jls.metrics(opt_state))
 
   starts = data.train_starts(config)
   steps = range(config.steps)

@@ -1,4 +1,4 @@
-"""`DynamicLossScale`s that behave exactly like the scalers users come from.
+"""Presets: `DynamicLossScale` instances that behave exactly like the scalers users know.
 
 Each function takes that system's own argument names and defaults and returns the
 equivalent `DynamicLossScale`; README's parity table lists what each maps to and the

@@ -14,6 +14,8 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale import demo
 
+pytestmark = pytest.mark.xdist_group("fidelity")  # the `runs` fixture is computed once
+
 TOLERANCE = 0.01
 CONFIG = demo.Config(steps=100, batch=8192, hidden=64, learning_rate=1e-2)
 

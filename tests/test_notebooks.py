@@ -10,7 +10,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 
 def test_there_are_notebooks():
-  assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "porting.ipynb"}
+  assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "porting.ipynb", "frameworks.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -135,11 +135,22 @@ def assert_close_to_control(params, state, control_params, control_state):
   assert_trees_close(state, control_state)
 
 
+def branch_and_model_cases():
+  """Every model on the CPU branch; the GPU/TPU branch (forced here) on the dense one."""
+  return [pytest.param(b, m, id=f"{'cond' if b == 'cpu' else 'where'}_branch-{m}")
+          for b in ("cpu", "default") for m in MODELS if b == "cpu" or m == "dense"]
+
+
 @INNERS
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("branch_name, model", branch_and_model_cases())
 @FUSED
 def test_overflowed_step_is_skipped_like_a_control_run_without_that_batch(
-    inner, model, fused, branch):
+    inner, branch_name, model, fused):
+  with _tree.forced_branch(branch_name):
+    run_control_case(inner, model, fused)
+
+
+def run_control_case(inner, model, fused):
   init_params, loss, outputs = MODELS[model]
   data, k = batches(12, outputs=outputs), 5
   tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10, increment_period=3))
@@ -161,12 +172,13 @@ def test_a_skipped_step_leaves_params_and_inner_state_bit_identical(
   params = {"w": jnp.array([-0.0, 0.0, -1.5, 2.0], param_dtype), "b": jnp.array(-0.0)}
   tx = jls.loss_scaling(optax.adam(1e-2, eps=1e-3), jls.DynamicLossScale(8.0), **options)
   grads = {"w": jnp.ones(4, param_dtype), "b": jnp.array(1.0)}
-  state = jax.jit(tx.update)(grads, tx.init(params), params)[1]  # moments not all zero
+  step = jax.jit(tx.apply_gradients if fused else tx.update)
+  state = step(grads, tx.init(params), params)[1]  # moments not all zero
   bad = dict(grads, w=grads["w"].at[2].set(jnp.nan))
   if fused:
-    new_params, new_state = jax.jit(tx.apply_gradients)(bad, state, params)
+    new_params, new_state = step(bad, state, params)
   else:
-    updates, new_state = jax.jit(tx.update)(bad, state, params)
+    updates, new_state = step(bad, state, params)
     new_params = optax.apply_updates(params, updates)
     chex.assert_trees_all_equal(updates, jax.tree.map(lambda p: -jnp.zeros_like(p), params))
   chex.assert_trees_all_equal(new_params, params)
