@@ -81,10 +81,12 @@ def _path_string(path) -> str:
 def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) -> dict:
   """What casting `grads * loss_scale` to `dtype` would do to the non-zero values.
 
-  Jittable. Values are scaled in float32 (float64 for float64 leaves) and really
-  cast, so rounding at each boundary is exactly that of `dtype`. (XLA flushes
-  float32 subnormals to zero, so inputs below 2**-126 count as zero, and bfloat16,
-  which shares float32's exponent range, never shows a subnormal here.)
+  Jittable. Values are scaled in float32 (float64 for float64 leaves) and compared
+  with the magnitudes where a cast to `dtype` first gives a non-zero, a normal and a
+  non-finite value, so each boundary rounds exactly as the cast does (on every
+  platform: XLA:GPU may skip a cast that is cast back). XLA flushes float32
+  subnormals to zero on CPU and TPU, so there inputs below 2**-126 count as zero, and
+  bfloat16, which shares float32's exponent range, shows no subnormal.
 
   Args:
     grads: float32 (or unscaled) gradients; inf/NaN values are left out.
@@ -109,17 +111,22 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     raise ValueError(f"gradient_stats: `dtype` must be a floating dtype, got {dtype}.")
   if _validation.concrete_values(loss_scale) is not None:
     _validation.scale("loss_scale", loss_scale)
-  smallest_normal = float(jnp.finfo(dtype).smallest_normal)
   counts = {"nonzero": 0, "underflow": 0, "subnormal": 0, "overflow": 0}
   max_abs, min_abs = jnp.float32(0), jnp.float32(jnp.inf)
   for x in _tree.float_leaves(grads):
     x = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
     live = jnp.isfinite(x) & (x > 0)
-    cast = (x * jnp.asarray(loss_scale, x.dtype)).astype(dtype).astype(x.dtype)
+    scaled = x * jnp.asarray(loss_scale, x.dtype)
+
+    def below(kind, scaled=scaled):
+      limit = _tree.first_magnitude(scaled.dtype, dtype, kind)
+      return jnp.ones(scaled.shape, bool) if limit is None else scaled < limit
+
+    underflow, below_normal, finite = below("nonzero"), below("normal"), below("nonfinite")
     counts["nonzero"] += jnp.sum(live, dtype=jnp.int32)
-    counts["underflow"] += jnp.sum(live & (cast == 0), dtype=jnp.int32)
-    counts["subnormal"] += jnp.sum(live & (cast > 0) & (cast < smallest_normal), dtype=jnp.int32)
-    counts["overflow"] += jnp.sum(live & ~jnp.isfinite(cast), dtype=jnp.int32)
+    counts["underflow"] += jnp.sum(live & underflow, dtype=jnp.int32)
+    counts["subnormal"] += jnp.sum(live & ~underflow & below_normal, dtype=jnp.int32)
+    counts["overflow"] += jnp.sum(live & ~(finite & jnp.isfinite(scaled)), dtype=jnp.int32)
     max_abs = jnp.maximum(max_abs, jnp.max(jnp.where(live, x, 0), initial=0).astype(jnp.float32))
     min_abs = jnp.minimum(
         min_abs, jnp.min(jnp.where(live, x, jnp.inf), initial=jnp.inf).astype(jnp.float32))

@@ -103,8 +103,9 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Two float32 factors whose product with a value divides it by `scale`.
 
   `(1, 1 / scale)`, except above 2**126, where `1 / scale` would be a float32
-  subnormal that XLA flushes to zero: there `(2**-64, 2**64 / scale)`. Both are exact
-  when `scale` is a power of two; otherwise the reciprocal adds one rounding.
+  subnormal (flushed to zero on CPU and TPU): there `(2**-64, 2**64 / scale)`. Both
+  are exact when `scale` is a power of two; otherwise the reciprocal adds a rounding
+  (up to 2 ulp on GPU, whose float32 division is not correctly rounded).
   """
   scale = jnp.asarray(scale, jnp.float32)
   pre = jnp.where(scale > 2.0**126, jnp.float32(2.0**-64), jnp.float32(1.0))
@@ -231,20 +232,6 @@ class LossScale(abc.ABC):
     parts = [f"{n}={_format(getattr(self, n))}" for n in self._static_names]
     parts += [f"{n}={_format(getattr(self, n))}" for n in self._state_names]
     return f"{type(self).__name__}({', '.join(parts)})"
-
-
-def exact_divide(x: jax.Array, divisor: Any) -> jax.Array:
-  """`x / divisor` for a scalar `divisor`, correctly rounded.
-
-  XLA rewrites a division by a scalar into a multiplication by its reciprocal,
-  which is inexact unless the divisor is a power of two (`x / 3 != x * (1/3)` in
-  float32), for constants and run-time scalars alike. Dividing instead by a
-  divisor that depends on `x` keeps a true division: NaN elements are divided by 1,
-  which leaves them NaN, and every other element by `divisor`.
-  """
-  x = jnp.asarray(x)
-  divisor = jnp.where(jnp.isnan(x), jnp.ones([], x.dtype), jnp.asarray(divisor, x.dtype))
-  return x / divisor
 
 
 @loss_scale_dataclass
@@ -384,7 +371,7 @@ class DynamicLossScale(LossScale):
   def _times(self, scale: jax.Array, factor: float) -> jax.Array:
     if self.factor_precision == "float64":
       return _rounding.times_double(scale, factor)
-    return scale * np.float32(factor)
+    return _rounding.flush_subnormals(scale * np.float32(factor))
 
   def _adjust(self, finite: jax.Array) -> tuple[DynamicLossScale, jax.Array]:
     scale = self()
@@ -401,7 +388,7 @@ class DynamicLossScale(LossScale):
     left_after_overflow = jnp.maximum(left - 1, 0)
     shrink = ~finite & (left_after_overflow == 0)
     if self.backoff_factor is None:
-      shrunk = exact_divide(scale, np.float32(self.multiplier))
+      shrunk = _rounding.divided_by(scale, self.multiplier)
     else:
       shrunk = self._times(scale, self.backoff_factor)
     shrunk = jnp.maximum(shrunk, np.float32(self.min_loss_scale))

@@ -1,4 +1,4 @@
-"""A float32 scale times a float64 factor, rounded as C rounds it, without x64.
+"""Scalar float32 arithmetic with an exact rounding on every platform, without x64.
 
 PyTorch's `GradScaler` keeps its scale in float32 and its factors as Python doubles:
 `(float)((double)scale * factor)`, two roundings (to 53 bits, then to 24). When the
@@ -7,6 +7,10 @@ by an ulp now and then, and a trajectory that differs once differs from then on.
 emulates the double computation exactly with uint32 arithmetic (integers are immune
 to the compiler's contraction of multiply-adds): the exact 77-bit product of the
 mantissas, rounded to nearest-even at 53 bits and then at 24.
+
+The same machinery gives a correctly rounded float32 division. XLA's own is not
+one on GPU (it emits PTX `div.full.f32`, up to 2 ulp off: `10 / 3` is 3.3333335
+there), nor on CPU for a divisor XLA rewrites into a reciprocal.
 """
 
 from __future__ import annotations
@@ -24,6 +28,35 @@ def _u(value: int) -> jax.Array:
   return jnp.asarray(value, _U32)
 
 
+def flush_subnormals(x: jax.Array) -> jax.Array:
+  """`x` with float32 subnormals replaced by zeros of the same sign.
+
+  XLA flushes them on CPU and TPU but keeps them on GPU; a loss scale flushed
+  explicitly follows the same trajectory everywhere.
+  """
+  tiny = np.float32(np.finfo(np.float32).tiny)
+  return jnp.where(jnp.abs(x) < tiny, x * np.float32(0), x)
+
+
+def divided_by(x: jax.Array, divisor: float) -> jax.Array:
+  """`x / float32(divisor)`, elementwise, correctly rounded to float32.
+
+  Computed as `times_double(x, 1 / float32(divisor))`. That is exact: the quotient of
+  two 24-bit numbers lies at least 2**-49 (relative) from the nearest float32
+  rounding midpoint, and the reciprocal in double and the product's rounding to 53
+  bits move it by less than 2**-52, so both round to the same float32. As everywhere
+  here, a result below the smallest normal float32 is 0.
+
+  Args:
+    x: float32 array, any shape.
+    divisor: a positive Python float, finite and nonzero in float32.
+  """
+  divisor = float(np.float32(divisor))
+  if not (math.isfinite(divisor) and divisor > 0):
+    raise ValueError(f"`divisor` must be positive and finite in float32, got {divisor!r}.")
+  return times_double(x, 1 / divisor)
+
+
 def times_double(x: jax.Array, factor: float) -> jax.Array:
   """`float32(float64(x) * factor)`, elementwise, as XLA rounds float32 results.
 
@@ -32,8 +65,8 @@ def times_double(x: jax.Array, factor: float) -> jax.Array:
     factor: a positive finite Python float.
 
   Returns:
-    A float32 array. As everywhere in XLA, a result below the smallest normal float32
-    is flushed to 0 (C would keep a subnormal), one above the largest is inf, and a
+    A float32 array. A result below the smallest normal float32 is flushed to 0 on
+    every platform (C would keep a subnormal), one above the largest is inf, and a
     zero or subnormal `x` gives 0.
   """
   x = jnp.asarray(x, jnp.float32)
@@ -42,7 +75,7 @@ def times_double(x: jax.Array, factor: float) -> jax.Array:
     raise ValueError(f"`factor` must be positive and finite, got {factor!r}.")
   if float(np.float32(factor)) == factor:
     # 24-bit × 24-bit mantissas fit in a double: one rounding, as float32 does it.
-    return x * np.float32(factor)
+    return flush_subnormals(x * np.float32(factor))
   fraction, exponent = math.frexp(factor)  # factor = fraction * 2**exponent
   mantissa, shift = int(fraction * 2**53), exponent - 53  # factor = mantissa * 2**shift
   b = [(mantissa >> (16 * j)) & 0xFFFF for j in range(4)]

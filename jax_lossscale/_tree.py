@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
@@ -118,29 +119,49 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
   from float32 max-reductions of 4096 elements or more. NaN becomes +inf inside the
   same pass, and +inf survives any max.
   """
+  return _combine(*_partials(x))
+
+
+def _partials(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Vectors of partial maxima and minima of `x` (NaN as +inf), real, >= float32."""
   if jnp.iscomplexobj(x):
-    return jnp.maximum(largest_magnitude(x.real), largest_magnitude(x.imag))
+    parts = [_partials(x.real), _partials(x.imag)]
+    return tuple(jnp.concatenate(p) for p in zip(*parts, strict=True))
   x = x.astype(compute_dtype(x.dtype))
   inf = jnp.array(jnp.inf, x.dtype)
   x = jnp.where(jnp.isnan(x), inf, x)
   if x.ndim == 0:
-    return jnp.abs(x)
-  if x.size >= _SPLIT:
-    # Reduced as _SPLIT_ROWS rows (and a remainder), which XLA:CPU spreads over its
-    # threads: a single scalar reduction of 10**7 values runs on one core.
-    flat = x.reshape(-1)
-    rows, rest = divmod(flat.size, _SPLIT_ROWS)
-    parts = [_reduce_max_min(flat[:rows * _SPLIT_ROWS].reshape(_SPLIT_ROWS, rows), (1,))]
-    if rest:
-      parts.append(_reduce_max_min(flat[rows * _SPLIT_ROWS:], (0,))[None])
-    return jnp.max(jnp.concatenate(parts))
-  return _reduce_max_min(x, tuple(range(x.ndim)))
+    return x[None], x[None]
+  if x.size < _SPLIT:
+    largest, smallest = _reduce_max_min(x, tuple(range(x.ndim)))
+    return largest[None], smallest[None]
+  # Reduced as _SPLIT_ROWS rows (and a remainder), which XLA:CPU spreads over its
+  # threads: a single scalar reduction of 10**7 values runs on one core.
+  flat = x.reshape(-1)
+  rows, rest = divmod(flat.size, _SPLIT_ROWS)
+  parts = [_reduce_max_min(flat[:rows * _SPLIT_ROWS].reshape(_SPLIT_ROWS, rows), (1,))]
+  if rest:
+    parts.append(tuple(p[None] for p in _reduce_max_min(flat[rows * _SPLIT_ROWS:], (0,))))
+  return tuple(jnp.concatenate(p) for p in zip(*parts, strict=True))
 
 
-def _reduce_max_min(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-  """`max |x|` over `axes` of a real array without NaN, from one variadic reduction."""
+def _reduce_max_min(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """`(max x, min x)` over `axes` of a real array without NaN, one variadic reduction."""
   inf = jnp.array(jnp.inf, x.dtype)
-  largest, smallest = jax.lax.reduce((x, x), (-inf, inf), _max_min, axes)
+  return jax.lax.reduce((x, x), (-inf, inf), _max_min, axes)
+
+
+def _combine(largest: jax.Array, smallest: jax.Array) -> jax.Array:
+  """The largest magnitude from vectors of partial maxima and minima.
+
+  A variadic reduction again: XLA rewrites a plain max over a few stacked scalars into
+  a chain of scalar maxima, and then copies that chain into every kernel that reads
+  the result (7 copies in a training step, each compiled on its own).
+  """
+  if largest.shape[0] == 1:
+    return jax.lax.max(largest[0], -smallest[0])
+  inf = jnp.array(jnp.inf, largest.dtype)
+  largest, smallest = jax.lax.reduce((largest, smallest), (-inf, inf), _max_min, (0,))
   return jax.lax.max(largest, -smallest)
 
 
@@ -167,9 +188,9 @@ def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
 def _largest_magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
   largest = []
   for group in _groups(leaves).values():
-    maxima = [largest_magnitude(g[0] if len(g) == 1 else
-                                jnp.concatenate([y.ravel() for y in g])) for g in group]
-    largest.append(maxima[0] if len(maxima) == 1 else jnp.max(jnp.stack(maxima)))
+    partials = [_partials(g[0] if len(g) == 1 else jnp.concatenate([y.ravel() for y in g]))
+                for g in group]
+    largest.append(_combine(*(jnp.concatenate(p) for p in zip(*partials, strict=True))))
   return largest
 
 
@@ -189,11 +210,58 @@ def largest_magnitudes(tree: Any) -> list[tuple[jnp.dtype, jax.Array]]:
 
 
 def finite_after(largest: list[tuple[jnp.dtype, jax.Array]], *factors: jax.Array) -> jax.Array:
-  """Whether every leaf behind `largest` stays finite once multiplied by `factors`."""
-  # A complex leaf's largest magnitude is that of a component: cast to that dtype.
-  flags = [jnp.isfinite(multiply(m, *factors).astype(jnp.finfo(dtype).dtype).astype(m.dtype))
-           for dtype, m in largest]
+  """Whether every leaf behind `largest` stays finite once multiplied by `factors`.
+
+  The product is compared with the smallest magnitude that overflows the leaves'
+  dtype, not cast to it and back: XLA may drop such a round trip through a narrower
+  dtype (XLA:GPU does, with its default `xla_allow_excess_precision`), and then an
+  overflow of float16 would go unseen.
+  """
+  flags = []
+  for dtype, m in largest:
+    product = multiply(m, *factors)  # m is already in the compute dtype
+    # A complex leaf's largest magnitude is that of a component.
+    limit = first_magnitude(product.dtype, jnp.finfo(dtype).dtype, "nonfinite")
+    flags.append(jnp.isfinite(product) if limit is None else product < limit)
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+# Each true from some magnitude on (NaN counts as large: past the largest value).
+_CONVERTED = {
+    "nonzero": lambda y, finfo: y != 0,
+    "normal": lambda y, finfo: not abs(y) < float(finfo.smallest_normal),
+    "nonfinite": lambda y, finfo: not np.isfinite(y),
+}
+
+
+@functools.cache
+def first_magnitude(source, target, kind: str) -> np.ndarray | None:
+  """The smallest non-negative `source` value whose conversion to `target` is `kind`.
+
+  `kind` is "nonzero", "normal" (at least `target`'s smallest normal) or "nonfinite";
+  `None` when no finite `source` value converts so (a dtype at least as wide, or
+  float4, which saturates). Found once per triple by bisection over `source`'s bit
+  patterns, with NumPy's conversions, which round as XLA's do (to nearest even, to
+  NaN past the largest value for the float8 types without inf). Comparing with it
+  classifies a value as the conversion would, with no conversion in the program.
+  """
+  source, target = np.dtype(source), np.dtype(target)
+  uint = np.dtype(f"uint{8 * source.itemsize}")
+  finfo = jnp.finfo(target)
+  holds = _CONVERTED[kind]
+
+  def converts(bits: int) -> bool:
+    value = np.array(bits, uint).view(source)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+      return bool(holds(value.astype(target).astype(np.float64), finfo))
+
+  lo, hi = 0, int(np.array(np.finfo(source).max, source).view(uint))
+  if not converts(hi):
+    return None
+  while lo < hi:  # invariant: converts(hi)
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if converts(mid) else (mid + 1, hi)
+  return np.array(hi, uint).view(source)
 
 
 def _axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:

@@ -14,7 +14,8 @@ _TINY = np.finfo(np.float32).tiny
 
 
 def xla_f32(x):
-  """float32 as XLA computes it on CPU and GPU: subnormal results flush to zero."""
+  """float32 with subnormal results flushed to zero, as XLA's CPU and TPU compute it
+  and as the library rounds a loss scale on every platform."""
   x = f32(x)
   return f32(0) if abs(x) < _TINY else x
 

@@ -41,6 +41,14 @@ def gradient_bytes(params) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
+def reduction_slack(params) -> int:
+  """Bytes the check may add beyond its input: scalars on CPU; on GPU, XLA reduces in
+  two passes and writes the first pass's partial results (about 4 KB a leaf)."""
+  if jax.default_backend() == "cpu":
+    return 4096
+  return 4096 + 8192 * len(jax.tree.leaves(params))
+
+
 @pytest.mark.parametrize("params", [ONE_LEAF, PARAMS], ids=["one_leaf", "eight_leaves"])
 @pytest.mark.parametrize("options", [{}, {"loss_scale": jls.NoOpLossScale()}],
                          ids=["dynamic", "noop"])
@@ -53,7 +61,7 @@ def test_default_apply_gradients_reads_the_gradients_once_more_than_plain_optax(
   plain = bytes_accessed(optax.adam(1e-3), params=params)
   grads = gradient_bytes(params)
   fused = bytes_accessed(tx, fused=True, params=params)
-  assert plain + grads <= fused <= plain + grads + 4096, (fused - plain) / grads
+  assert plain + grads <= fused <= plain + grads + reduction_slack(params), (fused - plain) / grads
   assert temporaries(tx, True, params) <= 0.01 * grads
 
 
@@ -92,7 +100,8 @@ def test_the_check_reads_each_leaf_once():
       grads).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  assert gradient_bytes(grads) <= cost["bytes accessed"] <= gradient_bytes(grads) + 256
+  limit = 256 if jax.default_backend() == "cpu" else reduction_slack(grads)
+  assert gradient_bytes(grads) <= cost["bytes accessed"] <= gradient_bytes(grads) + limit
 
 
 def reductions(compiled) -> int:
@@ -108,3 +117,14 @@ def test_small_leaves_share_their_reductions():
   assert reductions(jax.jit(_tree.all_finite).lower(small).compile()) <= 1000 // 64 + 2
   large = [jnp.ones((1 << 15,)) for _ in range(10)]
   assert reductions(jax.jit(_tree.all_finite).lower(large).compile()) <= 10 + 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_the_decision_is_compiled_once_not_into_every_kernel_that_reads_it(fused):
+  # XLA turned a max over the per-leaf maxima into a chain of scalar maxima and
+  # copied it into each of the 7 kernels that read the decision (956 maxima for 64
+  # leaves, 5x plain Adam's compile time); the variadic combining reduction keeps it
+  # to one reduction per leaf and a few more.
+  params = {f"leaf_{i}": jnp.ones((20_000,)) for i in range(64)}
+  text = compile_step(jls.loss_scaling(optax.adam(1e-3)), fused, params).as_text()
+  assert len(re.findall(r"= \S+ maximum\(", text)) <= 2 * 64 + 16

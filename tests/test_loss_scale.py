@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import chex
 import hypothesis
@@ -13,6 +14,7 @@ import pytest
 import reference_models
 
 import jax_lossscale as jls
+from jax_lossscale import _rounding
 
 FINITE = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
 INF = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.zeros(())}
@@ -61,6 +63,26 @@ def test_non_default_multiplier_grows_and_backs_off_by_it():
   scales, _, _ = trajectory(jls.DynamicLossScale(10, 1, 3), [INF, INF])
   assert scales == [float(np.float32(10) / np.float32(3)),
                     float(np.float32(np.float32(10) / np.float32(3)) / np.float32(3))]
+
+
+@pytest.mark.parametrize("divisor", [3.0, 1.5, 7.0, 10.0, 1.1, 2.0**0.5, 2.0])
+def test_backoff_by_a_multiplier_is_a_correctly_rounded_division(divisor):
+  # On every platform: XLA's float32 division is up to 2 ulp off on GPU (10 / 3 is
+  # 3.3333335 there), so the backoff does not use it. A double quotient rounded to
+  # float32 is the correctly rounded float32 quotient.
+  rng = np.random.default_rng(0)
+  scales = np.exp2(rng.uniform(-125, 127, 200_000)).astype(np.float32)
+  got = np.asarray(jax.jit(lambda s: _rounding.divided_by(s, divisor))(scales))
+  want = (scales.astype(np.float64) / float(np.float32(divisor))).astype(np.float32)
+  want[want < np.finfo(np.float32).tiny] = 0
+  np.testing.assert_array_equal(got, want)
+
+
+def test_a_scale_update_divides_nothing():
+  # The structure that keeps the test above true on GPU: no float division at all.
+  loss_scale = jls.DynamicLossScale(10, 1, 3)
+  jaxpr = str(jax.make_jaxpr(loss_scale.adjust)(jnp.bool_(False)))
+  assert re.search(r"\bdiv\b", jaxpr) is None, jaxpr
 
 
 def test_backoff_factor_is_independent_of_multiplier():
@@ -204,7 +226,7 @@ def test_defaults_match_tensorflow_dynamic_loss_scale():
   tf = reference_models.TensorFlowDynamic()
   ls = jls.DynamicLossScale()
   scan = jax.jit(lambda ls, fs: jax.lax.scan(lambda c, f: _scan_step(c, f), ls, fs))
-  _, (scales, applied, good) = scan(ls, finite)
+  scales, applied, good = (np.asarray(a) for a in scan(ls, finite)[1])
   for i, f in enumerate(finite):
     assert tf.step(bool(f)) == bool(applied[i])
     assert tf.scale == scales[i] and tf.good == good[i], i

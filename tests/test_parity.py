@@ -78,8 +78,8 @@ CASES = {
 
 
 # PyTorch and Keras have no floor. After ~140 overflows in a row their float32 scale
-# drops below the smallest normal float32, where XLA (CPU and GPU) flushes to zero
-# while NumPy keeps a subnormal. Their models compute in XLA's float32 here; see
+# drops below the smallest normal float32, where the library flushes it to zero on
+# every platform while NumPy keeps a subnormal. Their models flush likewise here; see
 # README's parity table and `test_floorless_scale_flushes_to_zero_below_float32_normals`.
 FLOORLESS = {ref.PyTorch: dict(flush_subnormals=True), ref.Keras: dict(flush_subnormals=True)}
 
@@ -143,9 +143,12 @@ def test_presets_name_their_own_arguments_in_errors():
     presets.jmp(period=2**31)
 
 
-def test_floorless_scale_flushes_to_zero_below_float32_normals():
+@pytest.mark.parametrize("preset", [presets.pytorch, presets.keras])
+def test_floorless_scale_flushes_to_zero_below_float32_normals(preset):
+  # On every platform: XLA keeps float32 subnormals on GPU, flushes them on CPU/TPU.
   tiny = float(np.finfo(np.float32).tiny)  # 2**-126
-  loss_scale = presets.pytorch(init_scale=2.0 * tiny)
+  loss_scale = preset(**{"init_scale" if preset is presets.pytorch else "initial_scale":
+                         2.0 * tiny})
   scales = list(map(float, replay(loss_scale, jnp.zeros(3, bool))[0]))
   assert scales == [tiny, 0.0, 0.0]  # a float32 subnormal would be tiny / 2
 

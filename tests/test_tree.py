@@ -59,6 +59,29 @@ def test_scale_and_unscale_narrow_leaves_in_float32(dtype):
   np.testing.assert_array_equal(np.float32(loss_scale.unscale(scaled)), np.float32(x))
 
 
+def test_the_check_of_narrow_leaves_casts_nothing_to_their_dtype():
+  # XLA:GPU drops a cast to float16 that is cast back to float32 (excess precision):
+  # an overflow that only the cast shows would go unseen there. Thresholds instead.
+  grads = {"h": jnp.ones(8, jnp.float16), "q": jnp.ones(8, jnp.float8_e4m3fn)}
+  jaxpr = str(jax.make_jaxpr(
+      lambda g, f: _tree.finite_after(_tree.largest_magnitudes(g), f))(grads, 0.5))
+  assert "new_dtype=float16" not in jaxpr and "float8" not in jaxpr.split("let", 1)[1], jaxpr
+
+
+@pytest.mark.parametrize("dtype", NARROW + [jnp.float16, jnp.bfloat16])
+def test_the_overflow_threshold_is_where_the_cast_overflows(dtype):
+  limit = _tree.first_magnitude(np.float32, dtype, "nonfinite")
+  if limit is None:  # saturating float4
+    assert np.isfinite(np.float32(3e38).astype(dtype).astype(np.float32))
+    return
+  below = np.nextafter(limit, np.float32(0))
+  # XLA's own cast, read back in the narrow dtype (a cast back inside the program
+  # could be dropped on GPU, which is the point of the thresholds).
+  cast = jax.jit(lambda x: x.astype(dtype))
+  assert not np.isfinite(np.asarray(cast(limit)).astype(np.float32))
+  assert np.isfinite(np.asarray(cast(below)).astype(np.float32))
+
+
 def test_float64_leaves_are_checked_in_float64_under_x64():
   # Their largest magnitudes were cast to float32: 1e300 counted as inf.
   with jax.enable_x64(True):
@@ -116,6 +139,14 @@ def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
 
 # --- the one-pass largest magnitude behind every check ---------------------------------
 
+# Jitted once for the module: parametrizations with the same shapes share compilations.
+LARGEST = jax.jit(_tree.largest_magnitude)
+NONFINITE_CHECKS = {
+    "largest_magnitude": jax.jit(lambda x: ~jnp.isfinite(_tree.largest_magnitude(x))),
+    "all_finite": jax.jit(lambda x: ~jls.all_finite({"g": [x]})),
+    "per_dtype": jax.jit(lambda x: ~_tree.finite_after(_tree.largest_magnitudes([x, x]))),
+}
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(1,), (9,), (1000,), (3, 333), (333, 3)])
@@ -123,7 +154,7 @@ def test_select_tree_keeps_non_array_leaves_of_the_first_tree():
 def test_largest_magnitude_is_not_finite_for_a_bad_value_anywhere(dtype, shape, bad):
   n = int(np.prod(shape))
   base = np.random.default_rng(n).normal(size=n).astype(np.float32)
-  f = jax.jit(_tree.largest_magnitude)
+  f = LARGEST
   assert float(f(jnp.asarray(base.reshape(shape), dtype))) == float(
       jnp.max(jnp.abs(jnp.asarray(base, dtype))))
   for position in sorted({0, n // 2, n - 1, max(n - 8, 0)}):
@@ -140,14 +171,9 @@ def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
   # more (`jnp.max` returns the largest other value), so no check may rely on a max
   # propagating NaN.
   n = int(np.prod(shape))
-  checks = {
-      "largest_magnitude": jax.jit(lambda x: ~jnp.isfinite(_tree.largest_magnitude(x))),
-      "all_finite": jax.jit(lambda x: ~jls.all_finite({"g": [x]})),
-      "per_dtype": jax.jit(lambda x: ~_tree.finite_after(_tree.largest_magnitudes([x, x]))),
-  }
   for position in (0, n // 2, n - 1):
     x = jnp.full(n, 0.5, dtype).at[position].set(bad).reshape(shape)
-    for name, nonfinite in checks.items():
+    for name, nonfinite in NONFINITE_CHECKS.items():
       assert bool(nonfinite(x)), (name, position)
 
 
@@ -156,7 +182,7 @@ def test_no_check_loses_a_bad_value_in_a_large_leaf(dtype, shape, bad):
 def test_leaves_reduced_in_rows_lose_no_bad_value(dtype, bad):
   # Leaves of 2**20 elements or more are reduced as 4 rows plus a remainder.
   n = (1 << 20) + 3
-  check = jax.jit(lambda x: ~jnp.isfinite(_tree.largest_magnitude(x)))
+  check = NONFINITE_CHECKS["largest_magnitude"]
   base = jnp.full(n, 0.5, dtype).at[12345].set(-7.0)
   assert float(_tree.largest_magnitude(base)) == 7.0
   for position in (0, n // 4 - 1, n // 4, n // 2, 3 * (n // 4), n - 4, n - 1):
