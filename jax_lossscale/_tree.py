@@ -357,7 +357,7 @@ def _varying_axes(aval: Any) -> frozenset:
   manual = getattr(aval, "manual_axis_type", None)
   if manual is not None:
     return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))
+  return frozenset(getattr(aval, "vma", None) or ())
 
 
 def _varying_like(x: jax.Array, target: Any) -> jax.Array:
@@ -367,7 +367,10 @@ def _varying_like(x: jax.Array, target: Any) -> jax.Array:
     return x
   want = _varying_axes(target if isinstance(target, jax.ShapeDtypeStruct) else typeof(target))
   missing = tuple(sorted(want - _varying_axes(typeof(x))))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  if not missing:
+    return x
+  pcast = getattr(jax.lax, "pcast", None)
+  return pcast(x, missing, to="varying") if pcast else jax.lax.pvary(x, missing)
 
 
 def _explicitly_sharded(x: jax.Array) -> bool:
