@@ -12,6 +12,7 @@ Three failure modes look alike from the outside ("loss scale already at minimum"
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -111,9 +112,15 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     raise ValueError(f"gradient_stats: `dtype` must be a floating dtype, got {dtype}.")
   if _validation.concrete_values(loss_scale) is not None:
     _validation.scale("loss_scale", loss_scale)
+  return _gradient_stats(_tree.float_leaves(grads), dtype, loss_scale)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _gradient_stats(leaves: list[jax.Array], dtype: jnp.dtype, loss_scale: Any) -> dict:
+  # Compiled once per list of leaf types and dtype, also when called eagerly.
   counts = {"nonzero": 0, "underflow": 0, "subnormal": 0, "overflow": 0}
   max_abs, min_abs = jnp.float32(0), jnp.float32(jnp.inf)
-  for x in _tree.float_leaves(grads):
+  for x in leaves:
     x = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
     live = jnp.isfinite(x) & (x > 0)
     scaled = x * jnp.asarray(loss_scale, x.dtype)

@@ -152,26 +152,32 @@ def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossS
   )
 
 
-def underflow_fraction(params: dict, x: jax.Array, y: jax.Array, dtype, scale: float) -> float:
-  """The fraction of the loss's per-example gradients lost when they enter `dtype`.
+@functools.partial(jax.jit, static_argnums=3)
+def _eval_metrics(params: dict, x: jax.Array, y: jax.Array, dtype, scale: jax.Array) -> dict:
+  logits = logits_fn(params, x, jnp.float32)
+  cotangent = jax.grad(
+      lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(logits)
+  return {
+      "loss": optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+      "accuracy": jnp.mean(jnp.argmax(logits, -1) == y),
+      "underflow": jls.gradient_stats(cotangent, dtype, scale)["underflow_fraction"],
+  }
+
+
+def evaluate(run: RunResult, data: Dataset, config: Config, dtype) -> RunResult:
+  """Held-out loss and accuracy, and the gradient signal lost to underflow.
 
   The backward pass enters the low-precision model at the logits with
   d(mean loss)/d(logits) = (softmax - onehot) / batch, times the loss scale; this is
   where a large batch pushes values below float16's smallest subnormal. Measured
-  exactly with `gradient_stats` on the float32 values.
+  exactly with `gradient_stats` on the float32 values, at the run's final scale.
   """
-  logits = logits_fn(params, x, jnp.float32)
-  cotangent = jax.grad(
-      lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(logits)
-  return float(jls.gradient_stats(cotangent, dtype, scale)["underflow_fraction"])
-
-
-def evaluate(run: RunResult, data: Dataset, config: Config, dtype) -> RunResult:
   x, y = data.eval_batch(config)
-  logits = logits_fn(run.params, x, jnp.float32)
-  run.eval_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
-  run.accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y))
-  run.underflow = underflow_fraction(run.params, x, y, dtype, float(run.scales[-1]))
+  metrics = jax.device_get(
+      _eval_metrics(run.params, x, y, jnp.dtype(dtype), jnp.float32(run.scales[-1])))
+  run.eval_loss = float(metrics["loss"])
+  run.accuracy = float(metrics["accuracy"])
+  run.underflow = float(metrics["underflow"])
   return run
 
 
@@ -179,7 +185,7 @@ def fixed_scale_for(data: Dataset, config: Config) -> float:
   """The `recommend_loss_scale` advice for the float32 gradients at initialisation."""
   params = init_params(jax.random.key(config.seed), data.vocab, config.hidden)
   x, y = data.windows(data.train_starts(config)[0])
-  advice = jls.recommend_loss_scale(jax.grad(loss_fn)(params, x, y))
+  advice = jls.recommend_loss_scale(jax.jit(jax.grad(loss_fn))(params, x, y))
   return advice.recommended
 
 
