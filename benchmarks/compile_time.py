@@ -45,9 +45,9 @@ def main(argv=None) -> None:
   parser.add_argument("--clip", action="store_true",
                       help="inner = chain(clip_by_global_norm(1.0), adam)")
   parser.add_argument("--variants", nargs="+",
-                      default=["plain", "jls.update", "jls.apply_gradients", "flax",
-                               "apply_if_finite"],
-                      help="jmp takes minutes to compile at 1000 leaves; add it by name")
+                      default=["plain", "jls.update", "jls.apply_gradients", "apply_if_finite"],
+                      help="jmp and flax take many minutes to compile at 1000 leaves (flax: "
+                           "over 15 minutes of CPU time); add them by name")
   args = parser.parse_args(argv)
 
   params = {f"leaf_{i:04d}": jnp.full(tuple(args.shape), 0.5, jnp.float32)
