@@ -94,10 +94,7 @@ def scale(name: str, value: Any, minimum: float = 0.0) -> float:
     raise ValueError(f"`{name}` must be >= {minimum:g}, got {value!r}.")
   if number <= 0:
     raise ValueError(f"`{name}` must be positive, got {value!r}.")
-  if abs(_f32(number)) < FLOAT32_TINY:
-    raise ValueError(
-        f"`{name}` must be at least {FLOAT32_TINY:.8g}, the smallest normal float32 "
-        f"(XLA flushes smaller ones to 0), got {value!r}.")
+  _refuse_flushed(name, value, number, "")
   return number
 
 
@@ -108,11 +105,16 @@ def floor(name: str, value: Any) -> float:
     return 0.0
   if number < 0:
     raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+  _refuse_flushed(name, value, number, "0 (no floor) or ")
+  return number
+
+
+def _refuse_flushed(name: str, value: Any, number: float, alternative: str) -> None:
   if _f32(number) < FLOAT32_TINY:
     raise ValueError(
-        f"`{name}` must be 0 (no floor) or at least {FLOAT32_TINY:.8g}, the smallest "
-        f"normal float32: {value!r} rounds (or is flushed by XLA) to 0 in float32.")
-  return number
+        f"`{name}` must be {alternative}at least {FLOAT32_TINY:.8g}, the smallest normal "
+        f"float32: {value!r} rounds to a subnormal or to 0 in float32, which a loss scale "
+        "flushes to 0.")
 
 
 def growth_factor(name: str, value: Any) -> float:

@@ -135,6 +135,19 @@ def assert_close_to_control(params, state, control_params, control_state):
   assert_trees_close(state, control_state)
 
 
+def applied_step(tx, fused, transform=jax.jit):
+  """`(grads, state, params) -> (new params, new state)` by either path, transformed."""
+  if fused:
+    return transform(tx.apply_gradients)
+  update = transform(tx.update)
+
+  def step(grads, state, params):
+    updates, state = update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
 def branch_and_model_cases():
   """Every model on the CPU branch; the GPU/TPU branch (forced here) on the dense one."""
   return [pytest.param(b, m, id=f"{'cond' if b == 'cpu' else 'where'}_branch-{m}")
@@ -302,11 +315,7 @@ def test_float16_parameters_with_default_adam_never_get_nan(fused, branch):
   tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(4.0, increment_period=1))
   grads = {"w": jnp.zeros(2, jnp.float16), "f32": jnp.ones(3)}
   state = tx.init(params)
-  if fused:
-    new_params, state = jax.jit(tx.apply_gradients)(grads, state, params)
-  else:
-    updates, state = jax.jit(tx.update)(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
+  new_params, state = applied_step(tx, fused)(grads, state, params)
   chex.assert_trees_all_equal(new_params, params)
   assert int(state.nonfinite_update_steps) == 1 and int(state.skipped_steps) == 1
   assert float(state.loss_scale()) == 4.0  # not a growth, not a backoff
@@ -348,11 +357,7 @@ def test_a_nan_in_a_large_float32_leaf_skips_the_step(options, fused, branch):
   tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0), **options)
   state = tx.init(params)
   grads = {"w": jnp.ones((128, 128)).at[77, 3].set(jnp.nan), "b": jnp.ones(8)}
-  if fused:
-    new_params, new_state = jax.jit(tx.apply_gradients)(grads, state, params)
-  else:
-    updates, new_state = jax.jit(tx.update)(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
+  new_params, new_state = applied_step(tx, fused)(grads, state, params)
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
   assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 4.0
@@ -454,11 +459,7 @@ def test_a_global_norm_beyond_float32_counts_as_non_finite(fused, branch):
   state = tx.init(params)
   grads = {"w": jnp.full(4, 4e30)}
   assert bool(jls.all_finite(grads))
-  if fused:
-    new_params, new_state = jax.jit(tx.apply_gradients)(grads, state, params)
-  else:
-    updates, new_state = jax.jit(tx.update)(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
+  new_params, new_state = applied_step(tx, fused)(grads, state, params)
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
   assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 2.0
@@ -483,11 +484,7 @@ def test_float16_gradients_that_overflow_only_once_unscaled_are_caught_when_clip
   loss_scale = jls.DynamicLossScale(0.5, min_loss_scale=0)
   tx = jls.loss_scaling(optax.sgd(1.0), loss_scale, clip_by_global_norm=1e6)
   grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
-  if fused:
-    new_params, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
-  else:
-    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
-    new_params = optax.apply_updates(params, updates)
+  new_params, state = applied_step(tx, fused)(grads, tx.init(params), params)
   chex.assert_trees_all_equal(new_params, params)
   assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 0.25
 
@@ -702,11 +699,7 @@ def test_under_vmap_each_member_skips_on_its_own(fused):
   params = {"w": jnp.zeros((2, 3))}
   states = jax.vmap(tx.init)(params)
   grads = {"w": jnp.array([[2.0, 2.0, 2.0], [2.0, jnp.nan, 2.0]])}
-  if fused:
-    new_params, states = jax.vmap(tx.apply_gradients)(grads, states, params)
-  else:
-    updates, states = jax.vmap(tx.update)(grads, states, params)
-    new_params = optax.apply_updates(params, updates)
+  new_params, states = applied_step(tx, fused, jax.vmap)(grads, states, params)
   chex.assert_trees_all_equal(new_params["w"], jnp.array([[-1.0] * 3, [0.0] * 3]))
   assert states.skipped_steps.tolist() == [0, 1]
 
