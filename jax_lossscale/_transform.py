@@ -392,7 +392,8 @@ def emit_by_cond(should_apply, run, skipped, inner_state):
 def emit_by_where(should_apply, run, skipped, inner_state):
   """GPU and TPU: select with `jnp.where`, fused into the optimizer's loop.
 
-  A `lax.cond` there would make the host wait for the predicate every step.
+  A `lax.cond` there would split the step into kernels on either side of it; the
+  select joins the optimizer's own kernels (benchmarks/RESULTS.md).
   """
   out, new_inner_state, finite = run()
   applied = should_apply if finite is None else should_apply & finite

@@ -421,32 +421,44 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree.map(select, on_true, on_false)
 
 
+def _array_outputs(fn, record: list):
+  """`fn` (no arguments) returning only its output's array leaves.
+
+  Each call appends the output's `(treedef, leaves)` to `record`, from which
+  `_rebuild` puts the static leaves (strings, functions: the non-array parts of
+  equinox-style modules) back around arrays computed by a JAX transformation.
+  """
+
+  def arrays():
+    leaves, treedef = jax.tree.flatten(fn())
+    record.append((treedef, leaves))
+    return [x for x in leaves if is_array(x)]
+
+  return arrays
+
+
+def _rebuild(structure, arrays) -> Any:
+  treedef, leaves = structure
+  arrays = iter(arrays)
+  return jax.tree.unflatten(treedef, [next(arrays) if is_array(x) else x for x in leaves])
+
+
 def through_arrays(combine, *fns) -> Any:
   """`combine(*fns)` for a JAX combinator whose branches may return static leaves.
 
   Combinators such as `jax.lax.cond` or `jax.lax.platform_dependent` accept only
   arrays as outputs. Each of `fns` takes no arguments and returns the same structure;
-  only its array leaves go through `combine`, and the other leaves (strings,
-  functions: the static parts of equinox-style modules) are taken from the first
-  function that `combine` traced.
+  only its array leaves go through `combine`, and the other leaves are taken from the
+  first function that `combine` traced.
   """
-  traced = [None] * len(fns)
-
-  def arrays_of(i, fn):
-    def arrays():
-      leaves, treedef = jax.tree.flatten(fn())
-      traced[i] = (treedef, leaves)
-      return [x for x in leaves if is_array(x)]
-    return arrays
-
-  arrays = combine(*[arrays_of(i, fn) for i, fn in enumerate(fns)])
+  records = [[] for _ in fns]
+  arrays = combine(*[_array_outputs(fn, r) for fn, r in zip(fns, records, strict=True)])
   # A combinator may trace only some branches (platform_dependent, outside jit).
-  treedef, leaves = next(t for t in traced if t is not None)
-  for other, _ in (t for t in traced if t is not None):
-    if other != treedef:
-      raise TypeError(f"Branches must return the same structure, got {treedef} and {other}.")
-  arrays = iter(arrays)
-  return jax.tree.unflatten(treedef, [next(arrays) if is_array(x) else x for x in leaves])
+  traced = [r[-1] for r in records if r]
+  for other, _ in traced[1:]:
+    if other != traced[0][0]:
+      raise TypeError(f"Branches must return the same structure, got {traced[0][0]} and {other}.")
+  return _rebuild(traced[0], arrays)
 
 
 def cond(pred: jax.Array, true_fn, false_fn) -> Any:
@@ -468,34 +480,21 @@ def traced_once(fn, *inputs: Any):
   """
   if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
     return fn
-  static = []
-
-  @jax.jit
-  def arrays():
-    leaves, treedef = jax.tree.flatten(fn())
-    static[:] = [(treedef, leaves)]
-    return [x for x in leaves if is_array(x)]
+  record = []
+  arrays = jax.jit(_array_outputs(fn, record))
 
   def call():
-    values = iter(arrays())
-    treedef, leaves = static[0]
-    return jax.tree.unflatten(treedef, [next(values) if is_array(x) else x for x in leaves])
+    values = arrays()
+    return _rebuild(record[-1], values)
 
   return call
 
 
 def shapes_of(fn) -> Any:
   """`jax.eval_shape(fn)` for a function whose output may hold static leaves."""
-  static = []
-
-  def arrays():
-    leaves, treedef = jax.tree.flatten(fn())
-    static.append((treedef, leaves))
-    return [x for x in leaves if is_array(x)]
-
-  shapes = iter(jax.eval_shape(arrays))
-  treedef, leaves = static[0]
-  return jax.tree.unflatten(treedef, [next(shapes) if is_array(x) else x for x in leaves])
+  record = []
+  shapes = jax.eval_shape(_array_outputs(fn, record))
+  return _rebuild(record[-1], shapes)
 
 
 # --- unwrapping --------------------------------------------------------------------
