@@ -1,0 +1,235 @@
+"""Specification of `jax_lossscale.jmp`: jmp's own tests, then what they leave out.
+
+jmp's test files ship inside the installed jmp package. They run here against
+`jax_lossscale.jmp` with only their import line rewritten, collected as the unittest
+cases they are (`LossScaleTest`, `PolicyTest`).
+"""
+
+import importlib.util
+import pathlib
+import re
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jmp as real_jmp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale.jmp as jmp
+
+# --- jmp's own tests -----------------------------------------------------------------
+
+# jmp's test files before the 0.0.4 wheel (its repository's included) call
+# `jax.tree_leaves` and `jax.tree_map`, aliases JAX has since removed. Their module sees
+# a `jax` that still has them; JAX itself and the library are left alone.
+_REMOVED_JAX_ALIASES = {
+    name: getattr(jax.tree_util, name)
+    for name in ("tree_leaves", "tree_map", "tree_flatten", "tree_unflatten", "tree_structure")
+}
+_REMOVED_JAX_ALIASES["tree_multimap"] = jax.tree_util.tree_map
+
+
+class _JaxWithRemovedAliases(types.ModuleType):
+  """`jax`, plus the aliases above."""
+
+  def __getattr__(self, name):
+    return _REMOVED_JAX_ALIASES[name] if name in _REMOVED_JAX_ALIASES else getattr(jax, name)
+
+
+def _jmp_test_module(name: str) -> types.ModuleType:
+  """jmp's `jmp/_src/{name}_test.py`, importing `jax_lossscale.jmp` as `jmp`."""
+  path = pathlib.Path(importlib.util.find_spec("jmp").origin).parent / "_src" / f"{name}_test.py"
+  source, count = re.subn(rf"^from jmp\._src import {name} as jmp$",
+                          "import jax_lossscale.jmp as jmp", path.read_text(), flags=re.M)
+  # Exactly one rewrite and no other jmp import, or these would test jmp itself.
+  assert count == 1 and not re.search(r"^\s*(from|import) jmp\b", source, re.M), path
+  module = types.ModuleType(f"jmp_{name}_test")
+  exec(compile(source, str(path), "exec"), module.__dict__)
+  module.jax = _JaxWithRemovedAliases("jax")  # looked up when each test runs
+  return module
+
+
+LossScaleTest = _jmp_test_module("loss_scale").LossScaleTest
+PolicyTest = _jmp_test_module("policy").PolicyTest
+
+
+def test_jmps_test_files_run_against_this_module():
+  assert LossScaleTest.test_select_tree.__globals__["jmp"] is jmp
+  assert PolicyTest.test_half_dtype.__globals__["jmp"] is jmp
+
+
+# --- what jmp's tests leave out --------------------------------------------------------
+
+
+def assert_bitwise_equal(a, b):
+  """Same structure, and every leaf the same dtype, shape and bits."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes())
+
+
+def test_the_public_names_are_jmps():
+  assert set(real_jmp.__all__) <= set(jmp.__all__)
+  assert set(jmp.__all__) == set(real_jmp.__all__) | {"dtype_to_names"}
+
+
+def test_min_loss_scale_survives_jit_and_tree_map():
+  loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), min_loss_scale=2.0**8)
+  assert jax.jit(lambda s: s)(loss_scale).min_loss_scale == 2.0**8
+  assert jax.tree.map(lambda x: x, loss_scale).min_loss_scale == 2.0**8
+
+
+def test_jitted_adjust_backs_off_to_min_loss_scale_not_to_one():
+  loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), min_loss_scale=2.0**8)
+  adjust = jax.jit(lambda s: s.adjust(jnp.bool_(False)))
+  scales = []
+  for _ in range(4):
+    loss_scale = adjust(loss_scale)
+    scales.append(float(loss_scale.loss_scale))
+  assert scales == [2.0**9, 2.0**8, 2.0**8, 2.0**8]
+
+
+def test_a_traced_min_loss_scale_is_refused_naming_it():
+  with pytest.raises(ValueError, match="`min_loss_scale` must be a concrete number"):
+    jax.jit(lambda m: jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=m))(1.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, np.float16, jnp.bfloat16, jnp.float32],
+                         ids=["jnp.float16", "np.float16", "bfloat16", "float32"])
+def test_a_loss_scale_is_held_in_float32_whatever_dtype_it_is_given(dtype):
+  dynamic = jmp.DynamicLossScale(jnp.asarray(2.0**15, dtype), period=1)
+  static = jmp.StaticLossScale(np.asarray(2.0**15, dtype))
+  assert dynamic.loss_scale.dtype == static.loss_scale.dtype == jnp.float32
+  assert dynamic.min_loss_scale.dtype == jnp.float32
+  assert dynamic.adjust(jnp.bool_(True)).loss_scale.dtype == jnp.float32
+
+
+def test_a_float16_scale_grows_past_what_float16_can_hold(maybe_jit):
+  loss_scale = jmp.DynamicLossScale(jnp.float16(2.0**15), period=1)
+  adjust = maybe_jit(lambda s: s.adjust(jnp.bool_(True)))
+  scales = []
+  for _ in range(3):
+    loss_scale = adjust(loss_scale)
+    scales.append(float(loss_scale.loss_scale))
+  assert scales == [2.0**16, 2.0**17, 2.0**18]  # jmp's float16 scale stays at 2**15
+
+
+@pytest.mark.parametrize("scale", [jnp.int32(4), 4], ids=["int32", "python-int"])
+def test_an_integer_scale_warns_as_jmp_does_and_then_works_in_float32(scale):
+  with pytest.warns(UserWarning, match="Expected floating type for loss_scale, got int32"):
+    loss_scale = jmp.DynamicLossScale(scale)
+  assert loss_scale.loss_scale.dtype == jnp.float32
+  assert loss_scale.adjust(jnp.bool_(False)).loss_scale == 2.0
+
+
+def test_a_float_scale_does_not_warn():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp.DynamicLossScale(jnp.float16(2.0**15), min_loss_scale=np.float16(1))
+    jmp.StaticLossScale(2)
+
+
+def test_a_static_loss_scale_passes_into_jit_as_static_data():
+  loss_scale = jmp.StaticLossScale(jnp.float32(128))
+  assert jax.tree.leaves(loss_scale) == []
+  assert jax.jit(lambda s, x: s.scale(x))(loss_scale, jnp.float32(2)) == 256
+
+
+def test_a_jmp_checkpoint_restores_into_this_dynamic_loss_scale():
+  theirs = real_jmp.DynamicLossScale(jnp.float32(2.0**12), jnp.int32(7), period=100, factor=3)
+  ours = jmp.DynamicLossScale(jnp.float32(1), period=100, factor=3, min_loss_scale=4.0)
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(theirs)[0]]
+  assert [p for p, _ in jax.tree_util.tree_flatten_with_path(ours)[0]] == paths
+  restored = jax.tree.unflatten(jax.tree.structure(ours), jax.tree.leaves(theirs))
+  assert (restored.loss_scale, restored.counter) == (2.0**12, 7)
+  assert (restored.period, restored.factor, restored.min_loss_scale) == (100, 3, 4.0)
+
+
+def test_an_orbax_checkpoint_of_jmps_leaves_restores_into_this_dynamic_loss_scale(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  theirs = real_jmp.DynamicLossScale(jnp.float32(2.0**12), jnp.int32(7), period=100)
+  ours = jmp.DynamicLossScale(jnp.float32(1), period=100, min_loss_scale=4.0)
+  # jmp's class itself cannot be saved by orbax: its `__post_init__` chokes on the
+  # placeholders orbax maps over the leaves. So the checkpoint holds jmp's leaves
+  # under the names its flatten gives them, the positions 0 and 1.
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "jmp", {"scale": tuple(jax.tree.leaves(theirs))})
+    checkpointer.save(tmp_path / "ours", {"scale": ours})
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "jmp", {"scale": ours})["scale"]
+    round_trip = checkpointer.restore(tmp_path / "ours", jax.eval_shape(lambda: {"scale": ours}))
+  assert type(restored) is jmp.DynamicLossScale
+  assert (restored.loss_scale, restored.counter, restored.min_loss_scale) == (2.0**12, 7, 4.0)
+  assert (round_trip["scale"].loss_scale, round_trip["scale"].min_loss_scale) == (1.0, 4.0)
+
+
+def test_adjust_follows_jmps_trajectory_under_jit(maybe_jit):
+  loss_scale = jmp.DynamicLossScale(jnp.float32(8), period=2, min_loss_scale=2.0)
+  adjust = maybe_jit(lambda s, finite: s.adjust(finite))
+  scales, counters = [], []
+  for finite in [True, True, True, False, False, False, True, True]:
+    loss_scale = adjust(loss_scale, jnp.bool_(finite))
+    scales.append(float(loss_scale.loss_scale))
+    counters.append(int(loss_scale.counter))
+  assert scales == [8, 16, 16, 8, 4, 2, 2, 4]
+  assert counters == [1, 0, 1, 0, 0, 0, 1, 0]
+  assert loss_scale.counter.dtype == jnp.int32 and loss_scale.min_loss_scale == 2
+
+
+def test_adjust_under_vmap_updates_each_loss_scale_on_its_own_flag():
+  loss_scales = jmp.DynamicLossScale(jnp.float32([4, 8, 16]), jnp.int32([1, 1, 0]), period=2)
+  adjusted = jax.vmap(lambda s, f: s.adjust(f))(loss_scales, jnp.array([True, False, True]))
+  np.testing.assert_array_equal(adjusted.loss_scale, [8, 4, 16])
+  np.testing.assert_array_equal(adjusted.counter, [0, 0, 1])
+
+
+@pytest.mark.parametrize("pred", [jnp.ones([1], bool), jnp.float32(1), None])
+def test_select_tree_and_adjust_refuse_a_predicate_that_is_not_a_boolean_scalar(pred):
+  with pytest.raises(ValueError, match="select_tree expected boolean scalar `pred`"):
+    jmp.select_tree(pred, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+  with pytest.raises(AssertionError, match="adjust expected boolean scalar `grads_finite`"):
+    jmp.DynamicLossScale(2.0).adjust(pred)
+
+
+def test_all_finite_catches_a_nan_that_a_cpu_max_reduction_drops():
+  grads = {"w": jnp.ones(8192).at[5000].set(jnp.nan), "e4m3": jnp.ones(3, jnp.float8_e4m3fn)}
+  assert not jmp.all_finite(grads)
+  assert jmp.all_finite({"w": jnp.ones(8192), "step": jnp.int32(3), "none": None})
+
+
+def test_a_haiku_style_step_skips_an_overflowed_step_bit_identically():
+  policy = jmp.get_policy("p=f32,c=f16,o=f32")
+  optimizer = optax.adam(1e-2)
+
+  @jax.jit
+  def train_step(params, opt_state, loss_scale, x):
+    def loss_fn(params):
+      w, x16 = policy.cast_to_compute((params["w"], x))
+      return loss_scale.scale(policy.cast_to_output(jnp.sum((w * x16) ** 2)))
+
+    grads = policy.cast_to_param(loss_scale.unscale(jax.grad(loss_fn)(params)))
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    params, opt_state = jmp.select_tree(
+        grads_finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+    return params, opt_state, loss_scale
+
+  params = {"w": jnp.linspace(0.5, 1.0, 4)}
+  opt_state = optimizer.init(params)
+  loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), min_loss_scale=1.0)
+  small, large = jnp.full(4, 0.25), jnp.full(4, 64.0)
+  # Once, so that the optimizer state is not its initial one.
+  params, opt_state, loss_scale = train_step(params, opt_state, loss_scale, small)
+  assert int(loss_scale.counter) == 1
+  # The float16 cotangent 2 * w * x * 2**10 of w * x is finite for x = 0.25, inf for 64.
+  skipped = train_step(params, opt_state, loss_scale, large)
+  assert_bitwise_equal(skipped[:2], (params, opt_state))
+  assert (skipped[2].loss_scale, skipped[2].counter) == (2.0**9, 0)
+  applied = train_step(params, opt_state, loss_scale, small)
+  assert not np.array_equal(applied[0]["w"], params["w"])
+  assert int(applied[1][0].count) == 2 and int(applied[2].counter) == 2
