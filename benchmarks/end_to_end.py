@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
-from jax_lossscale import demo
+from jax_lossscale.demo import mlp
 
 
 def main(argv=None) -> None:
@@ -32,19 +32,19 @@ def main(argv=None) -> None:
   parser.add_argument("--reps", type=int, default=30)
   args = parser.parse_args(argv)
 
-  data = demo.Dataset.load()
-  config = demo.Config(steps=args.reps + 2, batch=args.batch, hidden=args.hidden)
-  starts = data.train_starts(config)
-  batches = [data.windows(s) for s in starts]
+  data = mlp.Text.load()
+  config = mlp.Config(steps=args.reps + 2, batch=args.batch, hidden=args.hidden)
+  starts = data.train_starts(config.seed, config.steps, config.batch, mlp.CONTEXT + 1)
+  batches = [mlp.windows(data, s) for s in starts]
   inner = optax.adam(1e-3)
 
   def plain_step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(demo.loss_fn)(params, x, y, jnp.float16)
+    loss, grads = jax.value_and_grad(mlp.loss_fn)(params, x, y, jnp.float16)
     updates, opt_state = inner.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   tx = jls.loss_scaling(inner)
-  grad_fn = jls.scaled_value_and_grad(demo.loss_fn)
+  grad_fn = jls.scaled_value_and_grad(mlp.loss_fn)
 
   def scaled_step(params, opt_state, x, y):
     loss, grads = grad_fn(opt_state, params, x, y, jnp.float16)
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
   for name, step, init in [("plain", plain_step, inner.init),
                            ("jls.update", scaled_step, tx.init),
                            ("jls.apply_gradients", applying_step(tx), tx.init)]:
-    params = demo.init_params(jax.random.key(0), data.vocab, args.hidden)
+    params = mlp.init_params(jax.random.key(0), data.vocab, args.hidden)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     state = (params, init(params))
     out = jitted(*state, *batches[0])

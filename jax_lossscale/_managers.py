@@ -1,27 +1,30 @@
 """TensorFlow contrib's loss-scale managers (`tf.contrib.mixed_precision`).
 
-`get_loss_scale()` and `update_loss_scale(finite_grads)` as in TensorFlow 1.x, except
-that `update_loss_scale` returns the new manager (state is immutable here) instead of
-an op. Managers are also `LossScale`s, so they work wherever a loss scale does,
-including `loss_scaling`; as in contrib's `LossScaleOptimizer`, a manager applies a
-step only when its gradients are finite.
+`get_loss_scale()` and `update_loss_scale(finite_grads)` as in TensorFlow 1.x, except that
+`update_loss_scale` returns the new manager (state is immutable here) instead of an op.
+Managers are also `LossScale`s, so they work wherever a loss scale does, `loss_scaling`
+included; as in contrib's `LossScaleOptimizer`, a manager applies a step only when its
+gradients are finite.
 """
 
 from __future__ import annotations
 
-import abc
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale import _loss_scale
-from jax_lossscale import _serialization
+from jax_lossscale import _numerics
 from jax_lossscale import _validation
+from jax_lossscale._loss_scale import FixedLossScale
+from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import loss_scale_dataclass
+from jax_lossscale._loss_scale import state_field
+from jax_lossscale._loss_scale import with_state
 
 
-class LossScaleManager(_loss_scale.LossScale):
+class LossScaleManager(LossScale):
   """Base class of TensorFlow contrib's loss-scale managers."""
 
   def get_loss_scale(self) -> jax.Array:
@@ -32,64 +35,48 @@ class LossScaleManager(_loss_scale.LossScale):
     """Returns the manager updated for one step.
 
     Args:
-      finite_grads: boolean scalar (array or Python bool): whether all gradients of
-        the step were finite.
+      finite_grads: boolean scalar (array or Python bool): whether all gradients of the
+        step were finite.
 
     Raises:
       ValueError: if `finite_grads` is not a boolean scalar.
     """
-    return self._update(_validation.flag("finite_grads", finite_grads))
+    return self._next(_validation.flag("finite_grads", finite_grads))
 
-  @abc.abstractmethod
-  def _update(self, finite: jax.Array) -> LossScaleManager:
-    """`update_loss_scale` for a validated boolean scalar array."""
-
-  def _adjust(self, finite: jax.Array) -> tuple[LossScaleManager, jax.Array]:
-    return self._update(finite), finite
+  def _applies(self, finite: jax.Array) -> jax.Array:
+    return finite
 
 
-@_serialization.register
-@_loss_scale.loss_scale_dataclass
-class FixedLossScaleManager(LossScaleManager):
+@loss_scale_dataclass
+class FixedLossScaleManager(LossScaleManager, FixedLossScale):
   """A manager whose loss scale never changes.
 
   Args:
     loss_scale: a real number >= 1 that is finite in float32.
 
   Raises:
-    ValueError: if `loss_scale` is not a real number, is below 1, or is inf in
-      float32.
+    ValueError: if `loss_scale` is not a real number, is below 1, or is inf in float32.
   """
-
-  loss_scale_value: float
 
   def __init__(self, loss_scale: float):
     value = _validation.scale("loss_scale", loss_scale, minimum=1.0)
     object.__setattr__(self, "loss_scale_value", value)
 
-  def __call__(self) -> jax.Array:
-    return jnp.asarray(self.loss_scale_value, jnp.float32)
-
-  def _update(self, finite: jax.Array) -> FixedLossScaleManager:
-    del finite
-    return self
-
   def get_config(self) -> dict[str, Any]:
     return {"loss_scale": self.loss_scale_value}
 
 
-@_serialization.register
-@_loss_scale.loss_scale_dataclass
+@loss_scale_dataclass
 class ExponentialUpdateLossScaleManager(LossScaleManager):
   """A manager that grows the scale after good runs and shrinks it after overflows.
 
   Exactly contrib's algorithm:
 
-  * finite step: if this makes `incr_every_n_steps` finite steps in a row, the
-    scale is multiplied by `incr_ratio` (kept only if the result is finite) and both
-    counts reset; otherwise the good-step count grows by one.
-  * non-finite step: if this makes `decr_every_n_nan_or_inf` non-finite steps since
-    the last change (not necessarily in a row), the scale becomes
+  * finite step: if this makes `incr_every_n_steps` finite steps in a row, the scale is
+    multiplied by `incr_ratio` (kept only if the result is finite) and both counts
+    reset; otherwise the good-step count grows by one.
+  * non-finite step: if this makes `decr_every_n_nan_or_inf` non-finite steps since the
+    last change (not necessarily in a row), the scale becomes
     `max(scale * decr_ratio, 1)` and both counts reset; otherwise the bad-step count
     grows by one and the good-step count resets.
 
@@ -99,8 +86,8 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
     decr_every_n_nan_or_inf: non-finite steps needed to shrink (>= 1, an int32).
     incr_ratio: growth factor (> 1, also once rounded to float32).
     decr_ratio: shrink factor in (0, 1), also once rounded to float32.
-    current_loss_scale, num_good_steps, num_bad_steps: the state (float32, int32,
-      int32 scalars); leave them out to start fresh.
+    current_loss_scale, num_good_steps, num_bad_steps: the state (float32, int32, int32
+      scalars); leave them out to start fresh.
 
   Raises:
     ValueError: naming the argument, for a value outside the ranges above.
@@ -111,9 +98,9 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   decr_every_n_nan_or_inf: int = 2
   incr_ratio: float = 2.0
   decr_ratio: float = 0.8
-  current_loss_scale: jax.Array = _loss_scale.state_field()
-  num_good_steps: jax.Array = _loss_scale.state_field()
-  num_bad_steps: jax.Array = _loss_scale.state_field()
+  current_loss_scale: jax.Array = state_field()
+  num_good_steps: jax.Array = state_field()
+  num_bad_steps: jax.Array = state_field()
 
   def __post_init__(self):
     v = _validation
@@ -127,33 +114,29 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
     }
     for name, value in checked.items():
       object.__setattr__(self, name, value)
-    limits = {"current_loss_scale": (checked["init_loss_scale"], np.float32, 1.0,
-                                     v.FLOAT32_MAX),
-              "num_good_steps": (0, np.int32, 0, checked["incr_every_n_steps"] - 1),
-              "num_bad_steps": (0, np.int32, 0, checked["decr_every_n_nan_or_inf"] - 1)}
-    for name, (initial, dtype, low, high) in limits.items():
+    state = {"current_loss_scale": (self.init_loss_scale, np.float32, 1.0,
+                                    _numerics.FLOAT32_MAX),
+             "num_good_steps": (0, np.int32, 0, self.incr_every_n_steps - 1),
+             "num_bad_steps": (0, np.int32, 0, self.decr_every_n_nan_or_inf - 1)}
+    for name, (initial, dtype, low, high) in state.items():
       value = getattr(self, name)
-      if value is None:
-        value = np.asarray(initial, dtype)
-      else:
-        value = _loss_scale.check_state_values(name, value, dtype, low, high)
+      value = np.asarray(initial, dtype) if value is None else v.state_values(
+          name, value, dtype, low, high)
       object.__setattr__(self, name, value)
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def _update(self, finite: jax.Array) -> ExponentialUpdateLossScaleManager:
+  def _next(self, finite: jax.Array) -> ExponentialUpdateLossScaleManager:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)
-
     increase = finite & (good + 1 >= self.incr_every_n_steps)
     decrease = ~finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
-    grown = scale * np.float32(self.incr_ratio)
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
+    grown = _numerics.grow(scale, scale * np.float32(self.incr_ratio))
     shrunk = jnp.maximum(scale * np.float32(self.decr_ratio), np.float32(1))
     changed = increase | decrease
-    return _loss_scale.with_state(
+    return with_state(
         self,
         current_loss_scale=jnp.where(increase, grown, jnp.where(decrease, shrunk, scale)),
         num_good_steps=jnp.where(finite & ~changed, good + 1, 0).astype(jnp.int32),

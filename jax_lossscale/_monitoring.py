@@ -1,8 +1,9 @@
-"""Reading a `loss_scaling` state: the loss scale, metrics, and stuck runs.
+"""Reading a `loss_scaling` state: metrics, the step's decision, and stuck runs.
 
-The state may sit anywhere inside an optimizer state (`optax.chain`, `MultiSteps`,
-`inject_hyperparams`, ...) and a framework may wrap its arrays (flax NNX keeps each in
-an `nnx.Variable`): these functions find it and always return plain arrays.
+The state is found in whatever holds it (an optax state, `nnx.Optimizer`, flax's
+`TrainState`; a framework may wrap each array, as NNX does in an `nnx.Variable`) and is
+always read as plain arrays. It must be the outermost transformation's: the one place a
+wrong composition shows is the path that leads to it.
 """
 
 from __future__ import annotations
@@ -10,58 +11,103 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 
-from jax_lossscale import _loss_scale
-from jax_lossscale import _tree
+from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._transform import COUNTS
 from jax_lossscale._transform import LossScalingState
+
+_RULE = ("everything that changes the parameters goes inside loss_scaling, which is the "
+         "outermost transformation: loss_scaling(optax.chain(...)), "
+         "loss_scaling(optax.MultiSteps(...)), loss_scaling(optax.inject_hyperparams(...)(...))")
+_WRONG = {
+    optax.MultiStepsState: "optax.MultiSteps around loss_scaling accumulates scaled "
+                           "gradients, and one overflowed micro-batch poisons its accumulator",
+    optax.InjectHyperparamsState: "optax.inject_hyperparams around loss_scaling advances its "
+                                  "count (and schedules) on skipped steps",
+    optax.InjectStatefulHyperparamsState: "optax.inject_hyperparams around loss_scaling "
+                                          "advances its count on skipped steps",
+    optax.MultiTransformState: "the other transforms of an optax.multi_transform get scaled "
+                               "gradients",
+    optax.MaskedState: "optax.masked around loss_scaling",
+}
 
 
 def find_state(opt_state: Any) -> LossScalingState:
-  """Finds the one `LossScalingState` anywhere inside a (nested) optax state.
+  """The one `LossScalingState` of an optimizer state, its arrays unwrapped.
 
-  Its arrays are returned plain, unwrapped from framework containers.
+  `opt_state` may also be anything with an `opt_state` attribute (`nnx.Optimizer`,
+  flax's `TrainState`).
 
   Raises:
-    ValueError: if there is none, or more than one.
+    ValueError: if there is none, more than one, or it is not the outermost
+      transformation's state.
   """
-  found = [
-      leaf for leaf in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, LossScalingState))
-      if isinstance(leaf, LossScalingState)
-  ]
+  if not isinstance(opt_state, LossScalingState) and hasattr(opt_state, "opt_state"):
+    opt_state = opt_state.opt_state
+  is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
+  found = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      opt_state, is_leaf=is_state) if is_state(leaf)]
   if len(found) != 1:
-    raise ValueError(
-        f"Expected exactly one loss_scaling state inside the optimizer state, found "
-        f"{len(found)}. Is the optimizer wrapped with jax_lossscale.loss_scaling?"
-    )
-  state = found[0]
-  return state._replace(**{
-      name: _tree.unwrap(getattr(state, name), (_loss_scale.LossScale,))
-      for name in LossScalingState._fields if name != "inner_state"})
+    hint = (" nnx.state(optimizer) keeps only arrays: pass optimizer.opt_state or the "
+            "nnx.Optimizer itself." if _looks_flattened(opt_state) else
+            " Is the optimizer wrapped with jax_lossscale.loss_scaling?")
+    raise ValueError(f"Expected exactly one loss_scaling state inside the optimizer state, "
+                     f"found {len(found)}.{hint}")
+  path, state = found[0]
+  _check_outermost(opt_state, path)
+  return state._replace(**{name: _trees.unwrap(getattr(state, name), (LossScale,))
+                           for name in LossScalingState._fields if name != "inner_state"})
 
 
-def get_loss_scale(opt_state: Any) -> _loss_scale.LossScale:
-  """Returns the current `LossScale` found anywhere inside a nested optax state."""
-  return find_state(opt_state).loss_scale
+def _looks_flattened(tree: Any) -> bool:
+  """Whether `tree` holds a state turned into dicts keyed by its fields (`nnx.state`)."""
+  return any(any(getattr(key, "key", None) == "last_applied" for key in path)
+             for path, _ in jax.tree_util.tree_leaves_with_path(tree))
+
+
+def _check_outermost(opt_state: Any, path) -> None:
+  node = opt_state
+  for key in path:
+    why = next((text for kind, text in _WRONG.items() if isinstance(node, kind)), None)
+    if why is None and type(node) in (tuple, list) and len(node) > 1:
+      why = ("a transformation chained before loss_scaling sees scaled gradients, one "
+             "chained after it still runs on skipped steps")
+    if why is not None:
+      raise ValueError(
+          f"loss_scaling is not the outermost transformation (its state is at "
+          f"opt_state{jax.tree_util.keystr(path)}): {why}. The rule: {_RULE}.")
+    node = node[key.idx] if hasattr(key, "idx") else (
+        node[key.key] if hasattr(key, "key") else getattr(node, key.name))
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Scalars for logging, as plain arrays.
 
-  `loss_scale`, `skipped_steps`, `consecutive_skips`, `last_applied`,
-  `nonfinite_loss_steps` and `nonfinite_update_steps` (see `LossScalingState`).
-  Jittable; the values stay on device until the caller reads them.
+  `loss_scale`, `last_applied` and the counts of `LossScalingState`: `skipped_steps`,
+  `consecutive_skips`, `nonfinite_loss_steps`, `nonfinite_update_steps`,
+  `consecutive_nonfinite_loss`, `consecutive_nonfinite_updates`. Jittable; the values
+  stay on the device until read. `opt_state` may be any optimizer state holding a
+  `loss_scaling` state, an `nnx.Optimizer` or a flax `TrainState`.
   """
   state = find_state(opt_state)
-  return {
-      "loss_scale": state.loss_scale(),
-      "skipped_steps": state.skipped_steps,
-      "consecutive_skips": state.consecutive_skips,
-      "last_applied": state.last_applied,
-      "nonfinite_loss_steps": state.nonfinite_loss_steps,
-      "nonfinite_update_steps": state.nonfinite_update_steps,
-  }
+  out = {"loss_scale": state.loss_scale(), "last_applied": state.last_applied}
+  out.update({name: state.count(name) for name in COUNTS})
+  return out
+
+
+def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
+  """`new` if the step that produced `opt_state` was applied, else `old`.
+
+  The one line that makes any other state follow the step's decision, so that a
+  skipped step never happened for it either: BatchNorm statistics, EMA weights, a step
+  counter of your own. A select, leaf by leaf (no NaN in `new` leaks into the result).
+
+      batch_stats = jls.if_applied(opt_state, new_batch_stats, batch_stats)
+  """
+  return _trees.select_tree(find_state(opt_state).last_applied, new, old)
 
 
 class LossScaleStuckError(RuntimeError):
@@ -82,14 +128,13 @@ _OVERFLOWS = "the gradients keep overflowing"
 def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
   """Fails fast when every recent step was skipped, saying why.
 
-  A host-side check: it reads a few scalars from the device, so call it at your
-  logging cadence (every N steps), not inside the jitted step. The cause named is
-  that of the current run of skipped steps: a non-finite loss, non-finite updates
-  from finite gradients, or overflowing gradients (at the minimum scale: a model
-  that diverges).
+  A host-side check: it reads a few scalars from the device, so call it at your logging
+  cadence, not inside the jitted step. The cause named is that of the current run of
+  skipped steps: a non-finite loss, non-finite updates from finite gradients, or
+  overflowing gradients (at the minimum scale: a model that diverges).
 
   Args:
-    opt_state: an optimizer state containing a `loss_scaling` state.
+    opt_state: what `metrics` takes.
     max_consecutive_skips: how many skipped steps in a row count as stuck.
 
   Raises:
@@ -107,9 +152,8 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
   at_floor = floor is not None and scale <= floor
   losses = int(state.consecutive_nonfinite_loss)
   updates = int(state.consecutive_nonfinite_updates)
-  overflows = consecutive - losses - updates
   causes = [(losses, _LOSS), (updates, _UPDATES),
-            (overflows, _DIVERGES if at_floor else _OVERFLOWS)]
+            (consecutive - losses - updates, _DIVERGES if at_floor else _OVERFLOWS)]
   causes = [(n, text) for n, text in causes if n]
   if len(causes) == 1:
     cause = causes[0][1]
@@ -119,6 +163,5 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
       f"Training is stuck: the last {consecutive} steps were all skipped "
       f"(max_consecutive_skips={max_consecutive_skips}). Current loss scale {scale:g}"
       + (f", already at its minimum {floor:g}" if at_floor else "")
-      + f". Likely cause: {cause}. To find where: "
-      "jax_lossscale.nonfinite_leaf_paths(jax_lossscale.nonfinite_leaves(grads))."
-  )
+      + f". Likely cause: {cause}. To find where: jax_lossscale.diagnostics."
+      "nonfinite_leaf_paths(jax_lossscale.diagnostics.nonfinite_leaves(grads)).")

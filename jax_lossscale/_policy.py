@@ -7,6 +7,10 @@ output=float32"`, with the keys shortened to `p`, `c`, `o` and dtypes to `f32`, 
 `bf16`, `f64`, `full` (float32) or `half` (bfloat16 on TPU, float16 elsewhere).
 Unlike jmp, a policy also says which loss scale its compute dtype calls for, so one
 string switches an experiment between bfloat16 on TPU and float16 on GPU.
+
+`as_dtype` is the one reading of a dtype argument, here and wherever the library takes
+a dtype: a grammar name means what it means in a policy string (`"f16"` is float16,
+where NumPy reads float128), and nothing ambiguous (`None`, `"f8"`) is guessed at.
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _loss_scale
-from jax_lossscale import _tree
+from jax_lossscale import _numerics
+from jax_lossscale import _trees
 
-_NAMES = {
-    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16, "float16": jnp.float16,
-    "full": jnp.float32, "f32": jnp.float32, "float32": jnp.float32,
-    "f64": jnp.float64, "float64": jnp.float64,
+# Each dtype's names in the policy grammar, the one `str(policy)` prints first: jmp's
+# `dtype_to_names`, keyed by scalar type as jmp keys it (a `np.dtype` finds its entry
+# through `.type`).
+DTYPE_NAMES = {
+    jnp.bfloat16: ("bf16", "bfloat16"),
+    jnp.float16: ("f16", "float16"),
+    jnp.float32: ("full", "f32", "float32"),
+    jnp.float64: ("f64", "float64"),
 }
-_SHORT = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16",
-          jnp.dtype(jnp.float32): "full", jnp.dtype(jnp.float64): "f64"}
+_BY_NAME = {name: jnp.dtype(dtype) for dtype, names in DTYPE_NAMES.items() for name in names}
+_GRAMMAR = sorted(_BY_NAME) + ["half"]
 _KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
          "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
 
@@ -37,10 +45,64 @@ def half_dtype() -> jnp.dtype:
   return jnp.dtype(jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16)
 
 
-def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+def _named_dtype(name: str) -> jnp.dtype | None:
+  """The dtype a name of the policy grammar means, or `None` for another string."""
+  return half_dtype() if name == "half" else _BY_NAME.get(name)
+
+
+def _dtype_or_none(value: Any) -> jnp.dtype | None:
+  """The dtype `value` unambiguously names, or `None`.
+
+  A string is a name of the grammar or a dtype's exact name ("float8_e4m3fn"), never
+  one of NumPy's abbreviations ("f8" is float64, "f16" float128). `None` and Python's
+  `float` name no dtype: NumPy reads both as float64, JAX `float` as float32.
+  """
+  if isinstance(value, str):
+    named = _named_dtype(value)
+    if named is not None:
+      return named
+  elif value is None or value is float:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    return None
+  return None if isinstance(value, str) and dtype.name != value else dtype
+
+
+def as_dtype(value: Any, argument: str) -> jnp.dtype:
+  """`value` as a real floating dtype, reading policy names as `get_policy` does.
+
+  The one reading of a dtype argument, for every function that takes one: `"f16"` is
+  float16 here as in a policy string (NumPy would read it as float128), `"half"` is
+  `half_dtype()`, and `None` (which NumPy reads as float64) is refused.
+
+  Args:
+    value: a real floating dtype (`jnp.float16`, `np.dtype("float16")`, the exact
+      name `"float8_e4m3fn"`) or a name of the policy grammar (`"f16"`, `"bf16"`,
+      `"f32"`, `"full"`, `"half"`, `"f64"`...).
+    argument: the name of the argument `value` was given as, for the error message.
+
+  Returns:
+    The dtype.
+
+  Raises:
+    ValueError: naming `argument`, for anything else: `None`, Python's `float` (float64
+      to NumPy, float32 to JAX), NumPy abbreviations such as `"f8"`, and integer,
+      boolean or complex dtypes.
+  """
+  dtype = _dtype_or_none(value)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"`{argument}` must be a floating dtype (jnp.float16, 'float8_e4m3fn', ...) or one "
+        f"of the names {_GRAMMAR}, got {value!r}.")
+  return dtype
+
+
+def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
   """Casts the real floating array leaves of `tree`; everything else is untouched."""
   def cast(x):
-    if _tree.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+    if _trees.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
       return x.astype(dtype)
     return x
   return jax.tree.map(cast, tree)
@@ -50,13 +112,17 @@ def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
 class Policy:
   """Which dtype parameters, computation and outputs use (jmp's `Policy`).
 
+  Each dtype is read by `as_dtype`: a real floating dtype or a name of the policy
+  grammar, so `Policy(jnp.float32, "f16", jnp.float32)` computes in float16, as
+  `get_policy("p=f32,c=f16,o=f32")` does. Stored as `jnp.dtype`s.
+
   Args:
     param_dtype: the dtype parameters are stored (and optimized) in.
     compute_dtype: the dtype of the forward and backward passes.
     output_dtype: the dtype the model's outputs are returned in.
 
   Raises:
-    ValueError: naming the field, for a dtype that is not a real floating dtype.
+    ValueError: naming the field, for anything `as_dtype` refuses (`None` included).
   """
 
   param_dtype: Any
@@ -65,27 +131,19 @@ class Policy:
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      try:
-        dtype = jnp.dtype(value)
-      except TypeError:
-        dtype = None
-      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"`{field.name}` must be a floating dtype such as jnp.float16, got {value!r}.")
-      object.__setattr__(self, field.name, dtype)
+      object.__setattr__(self, field.name, as_dtype(getattr(self, field.name), field.name))
 
   def cast_to_param(self, tree: Any) -> Any:
     """Casts the floating leaves of `tree` to `param_dtype`; other leaves pass through."""
-    return _cast_floating(tree, self.param_dtype)
+    return cast_floating(tree, self.param_dtype)
 
   def cast_to_compute(self, tree: Any) -> Any:
     """Casts the floating leaves of `tree` to `compute_dtype`; other leaves pass through."""
-    return _cast_floating(tree, self.compute_dtype)
+    return cast_floating(tree, self.compute_dtype)
 
   def cast_to_output(self, tree: Any) -> Any:
     """Casts the floating leaves of `tree` to `output_dtype`; other leaves pass through."""
-    return _cast_floating(tree, self.output_dtype)
+    return cast_floating(tree, self.output_dtype)
 
   def with_output_dtype(self, output_dtype: Any) -> Policy:
     """This policy with another `output_dtype`."""
@@ -99,25 +157,21 @@ class Policy:
     range); a `NoOpLossScale()` for float32, float64 and bfloat16, which has
     float32's range. Pass it to `loss_scaling`.
     """
-    if _tree.has_short_range(self.compute_dtype):
+    if _numerics.has_short_range(self.compute_dtype):
       return _loss_scale.DynamicLossScale()
     return _loss_scale.NoOpLossScale()
 
   def __str__(self) -> str:
-    names = [_SHORT.get(d, d.name) for d in (self.param_dtype, self.compute_dtype,
-                                              self.output_dtype)]
+    names = [DTYPE_NAMES.get(d.type, (d.name,))[0]
+             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)]
     return "p={},c={},o={}".format(*names)
 
 
 def _parse_dtype(value: str, policy_name: str) -> jnp.dtype:
-  if value == "half":
-    return half_dtype()
-  try:
-    return jnp.dtype(_NAMES[value])
-  except KeyError:
-    raise ValueError(
-        f"Unknown dtype {value!r} in policy {policy_name!r}: use one of "
-        f"{sorted(_NAMES) + ['half']}.") from None
+  dtype = _named_dtype(value)
+  if dtype is None:
+    raise ValueError(f"Unknown dtype {value!r} in policy {policy_name!r}: use one of {_GRAMMAR}.")
+  return dtype
 
 
 def get_policy(policy_name: str) -> Policy:

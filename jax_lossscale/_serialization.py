@@ -1,38 +1,24 @@
-"""Serialising loss scales: TensorFlow's `serialize` / `deserialize` / `get` rules.
-
-Also registers every loss scale with `flax.serialization` when flax is installed, so
-an optimizer state holding one round-trips through `flax.serialization.to_bytes`.
-"""
+"""TensorFlow's `serialize`, `deserialize` and `get` for loss scales."""
 
 from __future__ import annotations
 
-import importlib.util
-import numbers
 from typing import Any
 
-import jax
-import numpy as np
-
-from jax_lossscale import _loss_scale
-
-_CLASSES: dict[str, type[_loss_scale.LossScale]] = {}
-
-
-def register(cls: type[_loss_scale.LossScale]) -> type[_loss_scale.LossScale]:
-  """Makes a `LossScale` subclass known to `deserialize` (and to flax.serialization)."""
-  _CLASSES[cls.__name__] = cls
-  _register_with_flax(cls)
-  return cls
+from jax_lossscale import _validation
+from jax_lossscale._loss_scale import REGISTRY
+from jax_lossscale._loss_scale import DynamicLossScale
+from jax_lossscale._loss_scale import FixedLossScale
+from jax_lossscale._loss_scale import LossScale
 
 
-def serialize(loss_scale: _loss_scale.LossScale) -> dict[str, Any]:
+def serialize(loss_scale: LossScale) -> dict[str, Any]:
   """Returns `{"class_name": ..., "config": {...}}`, JSON-serialisable."""
-  if not isinstance(loss_scale, _loss_scale.LossScale):
+  if not isinstance(loss_scale, LossScale):
     raise ValueError(f"serialize expects a LossScale, got {loss_scale!r}.")
   return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
 
 
-def deserialize(config: dict[str, Any]) -> _loss_scale.LossScale:
+def deserialize(config: dict[str, Any]) -> LossScale:
   """Rebuilds a loss scale from the dict returned by `serialize`.
 
   Raises:
@@ -40,18 +26,14 @@ def deserialize(config: dict[str, Any]) -> _loss_scale.LossScale:
   """
   if not isinstance(config, dict) or set(config) != {"class_name", "config"}:
     raise ValueError(
-        "deserialize expects a dict with keys 'class_name' and 'config', got "
-        f"{config!r}."
-    )
+        f"deserialize expects a dict with keys 'class_name' and 'config', got {config!r}.")
   name = config["class_name"]
-  if name not in _CLASSES:
-    raise ValueError(
-        f"Unknown loss scale class_name {name!r}; known: {sorted(_CLASSES)}."
-    )
-  return _CLASSES[name].from_config(config["config"])
+  if name not in REGISTRY:
+    raise ValueError(f"Unknown loss scale class_name {name!r}; known: {sorted(REGISTRY)}.")
+  return REGISTRY[name].from_config(config["config"])
 
 
-def get(identifier: Any) -> _loss_scale.LossScale | None:
+def get(identifier: Any) -> LossScale | None:
   """Turns an identifier into a loss scale, with TensorFlow's rules.
 
   * a real number → `FixedLossScale(number)`;
@@ -60,55 +42,24 @@ def get(identifier: Any) -> _loss_scale.LossScale | None:
   * a dict → `deserialize(dict)`.
 
   Raises:
-    ValueError: "Could not interpret loss scale identifier: ..." for anything else.
+    ValueError: "Could not interpret loss scale identifier ..." for anything else, and
+      the loss scale's own errors for a bad number.
   """
-  if identifier is None or isinstance(identifier, _loss_scale.LossScale):
+  return parse(identifier, "identifier")
+
+
+def parse(identifier: Any, argument: str) -> LossScale | None:
+  """`get`, with errors naming the caller's `argument`."""
+  if identifier is None or isinstance(identifier, LossScale):
     return identifier
-  if _is_real_scalar(identifier):
-    return _loss_scale.FixedLossScale(identifier)
+  if _validation.python_number(identifier) is not None:
+    with _validation.renamed(loss_scale_value=argument):
+      return FixedLossScale(identifier)
   if isinstance(identifier, str) and identifier == "dynamic":
-    return _loss_scale.DynamicLossScale()
+    return DynamicLossScale()
   if isinstance(identifier, dict):
     return deserialize(identifier)
-  raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}")
-
-
-def _is_real_scalar(x: Any) -> bool:
-  """A real number: Python, NumPy, or a concrete 0-d JAX/NumPy array (not a bool)."""
-  if isinstance(x, (bool, np.bool_)):
-    return False
-  if isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer):
-    return x.ndim == 0 and (np.issubdtype(x.dtype, np.integer)
-                            or np.issubdtype(x.dtype, np.floating))
-  return isinstance(x, numbers.Real)
-
-
-def _register_with_flax(cls: type[_loss_scale.LossScale]) -> None:
-  if importlib.util.find_spec("flax") is None:
-    return
-  from flax import serialization  # pylint: disable=g-import-not-at-top
-
-  def to_state_dict(loss_scale):
-    return {
-        name: serialization.to_state_dict(getattr(loss_scale, name))
-        for name in cls._state_names
-    }
-
-  def from_state_dict(target, state):
-    # Rebuilt through the pytree's own unflatten: no constructor is called, so
-    # classes with TensorFlow-style constructor arguments restore as well.
-    leaves = [
-        serialization.from_state_dict(getattr(target, name), state[name])
-        for name in cls._state_names
-    ]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
-
-  serialization.register_serialization_state(
-      cls, to_state_dict, from_state_dict, override=True
-  )
-
-
-for _cls in (
-    _loss_scale.NoOpLossScale, _loss_scale.FixedLossScale, _loss_scale.DynamicLossScale
-):
-  register(_cls)
+  raise ValueError(
+      f"Could not interpret loss scale identifier {identifier!r} given as `{argument}`: "
+      "use a LossScale, a number >= 1 (a FixedLossScale), 'dynamic' (a DynamicLossScale) "
+      "or a dict from serialize().")

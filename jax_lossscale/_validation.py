@@ -1,29 +1,32 @@
-"""Checks of user-facing arguments, in the dtypes that will hold them.
+"""Checks of user-facing arguments: every error names the argument, the value and what is
+allowed.
 
 A loss scale keeps its scale in float32 and its counters in int32, so every number is
 checked as that dtype will see it: a value that is finite as a Python float but inf in
 float32, a factor that rounds to 1, a floor that rounds (or flushes, as XLA flushes
-float32 subnormals) to 0, a period that overflows int32: each is refused when the object
-is built, with the argument's name. Python numbers, NumPy scalars and concrete 0-d JAX
-arrays are accepted alike; booleans are not numbers here.
+float32 subnormals) to 0, a period that overflows int32 is refused when the object is
+built. Python numbers, NumPy scalars and concrete 0-d JAX arrays are accepted alike;
+booleans are not numbers here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal; XLA flushes below it
-INT32_MAX = int(np.iinfo(np.int32).max)
+from jax_lossscale._numerics import FLOAT32_MAX
+from jax_lossscale._numerics import FLOAT32_TINY
+from jax_lossscale._numerics import INT32_MAX
 
 
 def _f32(number: float) -> float:
-  """`number` rounded to float32 (inf where it overflows), without NumPy's warning."""
   with np.errstate(over="ignore"):
     return float(np.float32(number))
 
@@ -32,18 +35,25 @@ def _describe(value: Any) -> str:
   return f"{value!r} ({type(value).__name__})"
 
 
-def _as_python_number(name: str, value: Any, kind: str) -> Any:
-  """A Python int/float from any concrete real scalar; `None` if it is not one."""
-  if isinstance(value, jax.core.Tracer):
-    raise ValueError(
-        f"`{name}` must be a concrete {kind}, not a traced value: it is a "
-        "hyperparameter, fixed when the object is built (got "
-        f"{value.aval.str_short()}).")
-  if isinstance(value, (bool, np.bool_)):
+@contextlib.contextmanager
+def renamed(**names: str):
+  """Re-raises the `ValueError`s of the block with arguments renamed: `names` maps the
+  library's argument names to the caller's own (a preset's, `loss_scaling`'s)."""
+  try:
+    yield
+  except ValueError as error:
+    message = re.sub(r"`(\w+)`", lambda m: f"`{names.get(m.group(1), m.group(1))}`",
+                     str(error))
+    raise ValueError(message) from None
+
+
+def python_number(value: Any) -> int | float | None:
+  """A Python int/float from any concrete real scalar (not a bool); `None` otherwise."""
+  if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
     return None
-  if isinstance(value, (np.ndarray, jax.Array)):
-    if value.ndim != 0 or value.dtype == np.bool_ or not (
-        np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    if value.ndim != 0 or not (np.issubdtype(value.dtype, np.integer)
+                               or np.issubdtype(value.dtype, np.floating)):
       return None
     value = value.item()
   if isinstance(value, numbers.Integral):
@@ -53,37 +63,51 @@ def _as_python_number(name: str, value: Any, kind: str) -> Any:
   return None
 
 
-def real(name: str, value: Any) -> float:
-  """A finite real number (Python, NumPy or concrete JAX scalar) as a Python float."""
-  number = _as_python_number(name, value, "real number")
+def _number(name: str, value: Any, kind: str) -> int | float:
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"`{name}` must be a concrete {kind}, not a traced value: it is a hyperparameter, "
+        f"fixed when the object is built (got {value.aval.str_short()}).")
+  number = python_number(value)
   if number is None:
-    raise ValueError(f"`{name}` must be a real number, got {_describe(value)}.")
-  number = float(number)
+    raise ValueError(f"`{name}` must be a {kind}, got {_describe(value)}.")
+  return number
+
+
+def real(name: str, value: Any) -> float:
+  """A finite real number as a Python float."""
+  number = float(_number(name, value, "real number"))
   if not math.isfinite(number):
     raise ValueError(f"`{name}` must be finite, got {value!r}.")
   return number
 
 
+def positive(name: str, value: Any) -> float:
+  number = real(name, value)
+  if number <= 0:
+    raise ValueError(f"`{name}` must be positive, got {value!r}.")
+  return number
+
+
 def integer(name: str, value: Any, minimum: int, maximum: int = INT32_MAX) -> int:
   """An integer in `[minimum, maximum]`; by default at most the largest int32."""
-  number = _as_python_number(name, value, "integer")
-  if number is None or isinstance(number, float):
+  number = _number(name, value, "integer")
+  if isinstance(number, float):
     raise ValueError(f"`{name}` must be an integer, got {_describe(value)}.")
   if number < minimum:
     raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}.")
   if number > maximum:
-    raise ValueError(
-        f"`{name}` must be <= {maximum} (it is counted in int32), got {value!r}.")
+    raise ValueError(f"`{name}` must be <= {maximum} (it is counted in int32), got {value!r}.")
   return number
 
 
 def float32(name: str, value: Any) -> float:
-  """A real number that stays finite when rounded to float32; returned as given."""
+  """A real number that stays finite when rounded to float32."""
   number = real(name, value)
   if not math.isfinite(_f32(number)):
     raise ValueError(
-        f"`{name}` must be at most {FLOAT32_MAX:.8g}, the largest float32 (it is used "
-        f"in float32), got {value!r}, which is inf in float32.")
+        f"`{name}` must be at most {FLOAT32_MAX:.8g}, the largest float32 (it is used in "
+        f"float32), got {value!r}, which is inf in float32.")
   return number
 
 
@@ -124,8 +148,8 @@ def growth_factor(name: str, value: Any) -> float:
     raise ValueError(f"`{name}` must be > 1, got {value!r}.")
   if _f32(number) <= 1:
     raise ValueError(
-        f"`{name}` must exceed 1 by at least float32's rounding (2**-24): {value!r} "
-        "rounds to 1.0, so the loss scale would never grow.")
+        f"`{name}` must exceed 1 by at least float32's rounding (2**-24): {value!r} rounds "
+        "to 1.0, so the loss scale would never grow.")
   return number
 
 
@@ -134,16 +158,14 @@ def shrink_factor(name: str, value: Any) -> float:
   number = real(name, value)
   if not 0 < number < 1:
     raise ValueError(f"`{name}` must be in (0, 1), got {value!r}.")
-  rounded = _f32(number)
-  if rounded >= 1:
+  if _f32(number) >= 1:
     raise ValueError(
         f"`{name}` must be below 1 by at least float32's rounding (2**-25): {value!r} "
         "rounds to 1.0, so the loss scale would never back off.")
-  if rounded < FLOAT32_TINY:
+  if _f32(number) < FLOAT32_TINY:
     raise ValueError(
         f"`{name}` must be at least {FLOAT32_TINY:.8g}, the smallest normal float32: "
-        f"{value!r} rounds (or is flushed by XLA) to 0, so one backoff would zero "
-        "the loss scale.")
+        f"{value!r} rounds (or is flushed by XLA) to 0, so one backoff would zero the scale.")
   return number
 
 
@@ -155,22 +177,15 @@ def boolean(name: str, value: Any) -> bool:
 
 def flag(name: str, value: Any) -> jax.Array:
   """A boolean scalar: a Python/NumPy bool or a boolean 0-d array (traced or not)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
   if isinstance(value, (bool, np.bool_)):
     return jnp.asarray(value)
-  dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
-  if dtype is None or shape is None or not isinstance(value, (jax.Array, np.ndarray)):
+  if not isinstance(value, (jax.Array, np.ndarray)) or value.dtype != np.bool_:
+    got = f"an array of dtype {value.dtype}" if hasattr(value, "dtype") else _describe(value)
     raise ValueError(
-        f"`{name}` must be a boolean scalar (e.g. jax_lossscale.all_finite(grads)), got "
-        f"{_describe(value)}.")
-  if dtype != np.bool_:
+        f"`{name}` must be a boolean scalar (e.g. jax_lossscale.all_finite(grads)), got {got}.")
+  if value.shape != ():
     raise ValueError(
-        f"`{name}` must be a boolean scalar (e.g. jax_lossscale.all_finite(grads)), got "
-        f"an array of dtype {dtype}.")
-  if shape != ():
-    raise ValueError(
-        f"`{name}` must be a boolean scalar, got shape {tuple(shape)}; to keep one "
+        f"`{name}` must be a boolean scalar, got shape {tuple(value.shape)}; to keep one "
         "loss scale per model, vmap the update instead.")
   return jnp.asarray(value)
 
@@ -181,3 +196,87 @@ def concrete_values(value: Any) -> np.ndarray | None:
       value, (jax.Array, np.ndarray, np.generic, numbers.Number)):
     return None
   return np.asarray(value)
+
+
+def state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
+  """A state array given to a constructor, checked against `[low, high]` when concrete.
+
+  Traced and abstract values (under `jit`, `jax.eval_shape`) pass unchecked; integer
+  state must hold whole numbers. Returns `value` in `dtype`.
+  """
+  values = concrete_values(value)
+  if values is None:
+    return value
+  ok = np.isfinite(values) & (values >= low) & (values <= high)
+  if np.issubdtype(dtype, np.integer):
+    ok &= np.round(values) == values
+    allowed = f"an integer in [{low}, {high}]"
+  else:
+    allowed = f"finite, within [{low!r}, {high!r}]"
+  if not np.all(ok):
+    shown = values.item() if values.ndim == 0 else f"{values.dtype}{list(values.shape)}"
+    raise ValueError(f"`{name}` must be {allowed}, got {shown!r}.")
+  return value.astype(dtype) if isinstance(value, jax.Array) else np.asarray(values, dtype)
+
+
+def config_keys(cls: type, config: Any, allowed: list[str]) -> None:
+  """A `from_config` dict holds only constructor arguments, not state."""
+  if not isinstance(config, dict):
+    raise ValueError(f"`config` must be a dict, got {config!r}.")
+  unknown = sorted(set(config) - set(allowed))
+  if unknown:
+    raise ValueError(
+        f"Unknown {cls.__name__} config keys {unknown}; a config holds only {allowed} (the "
+        "state is restored from checkpoints, not configs).")
+
+
+def loss(value: Any) -> jax.Array:
+  """The unscaled loss passed as `loss=`: a number or an array, as an array."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return jnp.asarray(value)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(
+        "`loss` must be the unscaled loss of the step (a number or an array), got "
+        f"{type(value).__name__}: {value!r:.100}")
+  return jnp.asarray(value, jnp.float32)
+
+
+def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
+  """The checked hyperparameters of a `DynamicLossScale`, by name."""
+  precision = config["factor_precision"]
+  if precision not in ("float32", "float64"):
+    raise ValueError(f"`factor_precision` must be 'float32' or 'float64', got {precision!r}.")
+  checked = {
+      "increment_period": integer("increment_period", config["increment_period"], 1),
+      "multiplier": growth_factor("multiplier", config["multiplier"]),
+      "min_loss_scale": floor("min_loss_scale", config["min_loss_scale"]),
+      "hysteresis": integer("hysteresis", config["hysteresis"], 1),
+      "consecutive_hysteresis": boolean("consecutive_hysteresis",
+                                        config["consecutive_hysteresis"]),
+      "factor_precision": precision, "backoff_factor": None, "max_loss_scale": None,
+  }
+  backoff = config["backoff_factor"]
+  if backoff is not None:
+    checked["backoff_factor"] = shrink_factor("backoff_factor", backoff)
+    if precision == "float64" and checked["backoff_factor"] > 1 - 2.0**-24:
+      raise ValueError(
+          f"`backoff_factor` must be at most 1 - 2**-24 with factor_precision='float64', got "
+          f"{backoff!r}: some float32 scales times it round back to themselves.")
+  elif precision == "float64":
+    raise ValueError("factor_precision='float64' needs an explicit `backoff_factor` (PyTorch's "
+                     "GradScaler multiplies by it; there is no division by the multiplier).")
+  low, high = checked["min_loss_scale"], config["max_loss_scale"]
+  if high is not None:
+    high = checked["max_loss_scale"] = scale("max_loss_scale", high)
+    if high < low:
+      raise ValueError(f"`max_loss_scale` ({config['max_loss_scale']!r}) must be >= "
+                       f"`min_loss_scale` ({config['min_loss_scale']!r}).")
+  initial = checked["initial_loss_scale"] = scale("initial_loss_scale",
+                                                  config["initial_loss_scale"])
+  if initial < low:
+    raise ValueError(f"`initial_loss_scale` must be >= `min_loss_scale` ({low!r}), got "
+                     f"{config['initial_loss_scale']!r}.")
+  if high is not None and initial > high:
+    raise ValueError(f"`initial_loss_scale` must be <= `max_loss_scale` ({high!r}), got "
+                     f"{config['initial_loss_scale']!r}.")
+  return checked

@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 
-from jax_lossscale import _loss_scale
+from jax_lossscale import _finite
 from jax_lossscale import _monitoring
+from jax_lossscale import _trees
+from jax_lossscale._loss_scale import LossScale
+
+
+class _Value(NamedTuple):
+  """The unscaled loss and aux, carried as the aux of the differentiated function."""
+
+  loss: Any
+  aux: Any
 
 
 def scaled_value_and_grad(
@@ -17,15 +27,16 @@ def scaled_value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
+    axis_name: _finite.AxisName = None,
     value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like `jax.value_and_grad`, for a loss that must be multiplied by the loss scale.
 
   The returned function takes the **optimizer state** first, then `fun`'s own
-  arguments. It looks the current loss scale up in that state, differentiates
+  arguments. It finds the current loss scale in that state, differentiates
   `loss_scale.scale(fun(...))`, and returns the **unscaled** loss (and aux) with the
-  gradients of the **scaled** loss, ready for the `update` of the `loss_scaling`
-  transformation that owns the state, which unscales them with that same scale::
+  gradients of the **scaled** loss, ready for the `update` of the `loss_scaling` that
+  owns the state, which unscales them by that same scale::
 
       grad_fn = jax_lossscale.scaled_value_and_grad(loss_fn)
       loss, grads = grad_fn(opt_state, params, batch)
@@ -33,46 +44,68 @@ def scaled_value_and_grad(
 
   Args:
     fun: the loss function; returns a scalar (or `(scalar, aux)` with `has_aux`).
-    argnums: which of `fun`'s arguments to differentiate, counted among `fun`'s
-      own arguments (negative values count from the end), as in `jax.value_and_grad`.
+    argnums: which of `fun`'s arguments to differentiate, counted among `fun`'s own
+      arguments (negative values count from the end), as in `jax.value_and_grad`.
     has_aux: as in `jax.value_and_grad`.
+    axis_name: for data-parallel steps under `pmap` or `shard_map` (flax's and haiku's
+      examples): the mapped axis name(s) over which the loss and the gradients are
+      averaged (`lax.pmean`), as flax's `DynamicScale.value_and_grad(axis_name=...)`
+      does, so every replica gets the same loss and gradients.
     value_and_grad: the differentiation transform: `jax.value_and_grad` (default),
       `flax.nnx.value_and_grad` (models holding `BatchNorm` or `Dropout` state), or
       `equinox.filter_value_and_grad` (modules with non-array fields; it takes no
       `argnums` and differentiates the first argument). It is called as
-      `value_and_grad(f, has_aux=True)`, plus `argnums=argnums` when `argnums` is
-      not 0.
+      `value_and_grad(f, has_aux=True)`, plus `argnums=argnums` when `argnums` is not 0.
 
   Returns:
     A function `(opt_state, *args, **kwargs) -> (value, grads)`.
 
   Raises:
     TypeError: (when called) if it is given a `LossScale` instead of the optimizer
-      state: a loss scale kept apart from the optimizer goes stale as soon as the
-      scale moves, and the gradients would be unscaled by another scale.
+      state (a loss scale kept apart from the optimizer goes stale as soon as the scale
+      moves), or if `value_and_grad` does not return `(value, grads)`.
   """
   name = getattr(fun, "__name__", type(fun).__name__)
   extra = {} if argnums == 0 and value_and_grad is not jax.value_and_grad \
       else {"argnums": argnums}
 
   def scaled_value_and_grad_fn(opt_state, *args, **kwargs):
-    if isinstance(opt_state, _loss_scale.LossScale):
+    if isinstance(opt_state, LossScale):
       raise TypeError(
           f"scaled_value_and_grad({name}) takes the optimizer state first, got a "
-          f"{type(opt_state).__name__}. Pass the state returned by tx.init / "
-          "tx.update: the loss scale moves with every step, and only the state's own "
-          "scale is the one tx.update unscales by. (To scale a loss by hand, use "
-          "loss_scale.scale(loss).)")
-    loss_scale = _monitoring.get_loss_scale(opt_state)
+          f"{type(opt_state).__name__}. Pass the state returned by tx.init / tx.update: the "
+          "loss scale moves with every step, and only the state's own scale is the one "
+          "tx.update unscales by. (To scale a loss by hand, use loss_scale.scale(loss).)")
+    loss_scale = _monitoring.find_state(opt_state).loss_scale
 
     def scaled(*a, **k):
       out = fun(*a, **k)
       loss, aux = out if has_aux else (out, None)
-      return loss_scale.scale(loss), (loss, aux)
+      return loss_scale.scale(loss), _Value(loss, aux)
 
-    (_, (loss, aux)), grads = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+    result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
+    value, grads = _value_and_grads(result, value_and_grad)
+    if axis_name is not None:  # the loss and the gradients, not the aux
+      value = value._replace(loss=_mean(value.loss, axis_name))
+      grads = _mean(grads, axis_name)
+    return ((value.loss, value.aux) if has_aux else value.loss), grads
 
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")
   return scaled_value_and_grad_fn
+
+
+def _value_and_grads(result: Any, value_and_grad: Callable) -> tuple[_Value, Any]:
+  """`(value, grads)` from what `value_and_grad(f, has_aux=True)` returned."""
+  if (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple)
+      and len(result[0]) == 2 and isinstance(result[0][1], _Value)):
+    return result[0][1], result[1]
+  transform = getattr(value_and_grad, "__name__", repr(value_and_grad))
+  raise TypeError(
+      f"`value_and_grad` must return ((value, aux), grads) when called with has_aux=True, "
+      f"as jax.value_and_grad does; {transform} returned a {type(result).__name__}. "
+      "(jax.grad returns only the gradients: pass value_and_grad=jax.value_and_grad.)")
+
+
+def _mean(tree: Any, axis_name: _finite.AxisName) -> Any:
+  return _trees.map_float_leaves(lambda x: jax.lax.pmean(x, axis_name), tree)

@@ -1,4 +1,4 @@
-"""Why a step was skipped, and what scale a gradient distribution needs.
+"""Diagnostics: why a step was skipped, and what scale a gradient distribution needs.
 
 Three failure modes look alike from the outside ("loss scale already at minimum"):
 
@@ -20,8 +20,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale import _tree
+from jax_lossscale import _finite
+from jax_lossscale import _numerics
+from jax_lossscale import _policy
+from jax_lossscale import _trees
 from jax_lossscale import _validation
+
+__all__ = ("LossScaleAdvice", "gradient_stats", "nonfinite_leaf_paths", "nonfinite_leaves",
+           "recommend_loss_scale")
 
 
 def nonfinite_leaves(tree: Any) -> Any:
@@ -32,7 +38,7 @@ def nonfinite_leaves(tree: Any) -> Any:
   leaves give False; `None` leaves stay `None`.
   """
   return jax.tree.map(
-      lambda x: ~jnp.isfinite(_tree.largest_magnitude(x)) if _tree.is_float_array(x)
+      lambda x: ~jnp.isfinite(_finite.largest_magnitude(x)) if _trees.is_float(x)
       else jnp.array(False),
       tree,
   )
@@ -92,7 +98,7 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
   Args:
     grads: float32 (or unscaled) gradients; inf/NaN values are left out.
     dtype: the target dtype: float16 (default), bfloat16, or a float8 type such as
-      `jnp.float8_e4m3fn` / `jnp.float8_e5m2`.
+      `jnp.float8_e4m3fn` / `jnp.float8_e5m2`; a dtype, or a policy name ("f16").
     loss_scale: the scale to try: a positive number or scalar array, finite in
       float32 (checked unless traced).
 
@@ -107,12 +113,10 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     (would become inf or NaN), `max_abs` and `min_abs` (largest and smallest
     non-zero finite magnitudes of `grads`, before scaling; 0 if there are none).
   """
-  dtype = jnp.dtype(dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"gradient_stats: `dtype` must be a floating dtype, got {dtype}.")
+  dtype = _policy.as_dtype(dtype, "dtype")
   if _validation.concrete_values(loss_scale) is not None:
     _validation.scale("loss_scale", loss_scale)
-  return _gradient_stats(_tree.float_leaves(grads), dtype, loss_scale)
+  return _gradient_stats(_trees.float_leaves(grads), dtype, loss_scale)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -126,7 +130,7 @@ def _gradient_stats(leaves: list[jax.Array], dtype: jnp.dtype, loss_scale: Any) 
     scaled = x * jnp.asarray(loss_scale, x.dtype)
 
     def below(kind, scaled=scaled):
-      limit = _tree.first_magnitude(scaled.dtype, dtype, kind)
+      limit = _numerics.first_magnitude(scaled.dtype, dtype, kind)
       return jnp.ones(scaled.shape, bool) if limit is None else scaled < limit
 
     underflow, below_normal, finite = below("nonzero"), below("normal"), below("nonfinite")
@@ -156,11 +160,12 @@ class LossScaleAdvice(NamedTuple):
     max_scale: the largest power of two that overflows nothing (at most 2**127).
     min_scale: the smallest power of two at which nothing underflows to zero; above
       `max_scale` when the gradients span more than `dtype` can hold.
-    recommended: the scale to use: a power of two in `[1, max_scale]`, for
-      `FixedLossScale`, `max_scale / headroom` raised towards `min_scale` where the
-      range allows. Only when even the unscaled gradients overflow `dtype`
-      (`max_scale < 1`) is it `max_scale` itself, which a `FixedLossScale` cannot
-      hold: `DynamicLossScale(advice.recommended, min_loss_scale=0)` can.
+    recommended: the scale to use, a power of two >= 1 that every loss scale accepts
+      (`FixedLossScale`, `DynamicLossScale`): `max_scale / headroom`, raised towards
+      `min_scale` where the range allows. For a dtype with float32's range (bfloat16)
+      it is only as large as underflow needs. When even the unscaled gradients overflow
+      `dtype` (`max_scale < 1`) no scale helps: it is 1, and `overflow_fraction` says
+      how much overflows.
     underflow_fraction: the fraction of non-zero values lost to zero at
       `recommended`.
     overflow_fraction: the fraction that overflows at `recommended`.
@@ -181,7 +186,7 @@ def recommend_loss_scale(
   Args:
     grads: representative float32 gradients (e.g. from a float32 step).
     dtype: the low-precision dtype the gradients will be computed in: float16,
-      bfloat16 or a float8 type.
+      bfloat16 or a float8 type (a dtype, or a policy name such as "f16").
     headroom: a safety margin for gradients that grow later in training; the
       recommendation stays this factor below the overflow limit when it can.
 
@@ -198,30 +203,27 @@ def recommend_loss_scale(
   stats = jax.device_get(gradient_stats(grads, dtype))
   if int(stats["nonzero"]) == 0:
     raise ValueError("recommend_loss_scale: the gradients have no finite non-zero value.")
+  dtype = _policy.as_dtype(dtype, "dtype")
   finfo = jnp.finfo(dtype)
   # Below float32's smallest normal, XLA flushes to zero: bfloat16's subnormals are lost.
-  smallest = max(float(finfo.smallest_subnormal), _validation.FLOAT32_TINY)
-  max_scale = _power_of_two_at_most(float(finfo.max) / float(stats["max_abs"]))
-  min_scale = _power_of_two_at_least(smallest / float(stats["min_abs"]))
-  if max_scale >= 1:
-    recommended = min(max(max_scale / headroom, min(min_scale, max_scale), 1.0), max_scale)
+  smallest = max(float(finfo.smallest_subnormal), _numerics.FLOAT32_TINY)
+  max_scale = _power_of_two(_log2_ratio(float(finfo.max), float(stats["max_abs"]), math.floor))
+  min_scale = _power_of_two(_log2_ratio(smallest, float(stats["min_abs"]), math.ceil))
+  if not _numerics.has_short_range(dtype):
+    recommended = max(min(min_scale, max_scale), 1.0)  # float32's range: raise only if needed
   else:
-    recommended = max_scale
+    recommended = max(min(max(max_scale / headroom, min(min_scale, max_scale)), max_scale), 1.0)
   at = jax.device_get(gradient_stats(grads, dtype, recommended))
   return LossScaleAdvice(max_scale, min_scale, recommended,
                          float(at["underflow_fraction"]), float(at["overflow_fraction"]))
 
 
-# Every advice is a float32 power of two: normal, and finite.
-_LARGEST, _SMALLEST = 127, -126
+def _log2_ratio(a: float, b: float, rounding) -> int:
+  """`rounding(log2(a / b))` for positive `a` and `b`, computed without overflow."""
+  (ma, ea), (mb, eb) = math.frexp(a), math.frexp(b)
+  return ea - eb + rounding(math.log2(ma / mb))
 
 
-def _power_of_two_at_most(x: float) -> float:
-  mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
-  return math.ldexp(1.0, min(max(exponent - 1, _SMALLEST), _LARGEST))
-
-
-def _power_of_two_at_least(x: float) -> float:
-  mantissa, exponent = math.frexp(x)
-  return math.ldexp(1.0, min(max(exponent - 1 if mantissa == 0.5 else exponent, _SMALLEST),
-                             _LARGEST))
+def _power_of_two(exponent: int) -> float:
+  """2**exponent, kept a normal, finite float32 (every advice is one)."""
+  return math.ldexp(1.0, min(max(exponent, -126), 127))

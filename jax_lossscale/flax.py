@@ -1,6 +1,7 @@
-"""flax linen: a `TrainState` whose `apply_gradients` takes the loss and fuses the step.
+"""flax: a linen `TrainState` whose `apply_gradients` takes the loss and keeps everything on
+a skipped step, and loss scales known to `flax.serialization`.
 
-Importing this module imports flax; the rest of `jax_lossscale` does not need it.
+Importing this module imports flax; `import jax_lossscale` does not.
 
     from jax_lossscale.flax import TrainState
 
@@ -14,9 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import optax
+import jax
+from flax import serialization
 from flax.core import FrozenDict
 from flax.training import train_state
+
+from jax_lossscale import _monitoring
+from jax_lossscale import _transform
+from jax_lossscale._loss_scale import REGISTRY
 
 __all__ = ("TrainState",)
 
@@ -26,40 +32,65 @@ OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 class TrainState(train_state.TrainState):
   """flax's `TrainState`, for a `loss_scaling` transformation.
 
-  `create`, `replace`, checkpointing and the fields (`step`, `apply_fn`, `params`,
-  `tx`, `opt_state`) are flax's. Only `apply_gradients` differs: it takes the
-  unscaled loss, and updates `params` and `opt_state` with the transformation's
-  fused `apply_gradients`, in one pass (flax's calls `tx.update` and
-  `optax.apply_updates`).
+  `create`, `replace`, checkpointing and the fields (`step`, `apply_fn`, `params`, `tx`,
+  `opt_state`) are flax's. `apply_gradients` differs: it takes the unscaled loss, updates
+  `params` and `opt_state` in one fused pass, and on a skipped step keeps everything the
+  step would have changed.
   """
 
   def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs) -> TrainState:
     """Applies one step of gradients of the scaled loss.
 
     Args:
-      grads: gradients of the scaled loss (`jax_lossscale.scaled_value_and_grad`),
-        with the structure of `params`. As in flax, the collection
-        `"_overwrite_with_gradient"` (fp8 scaling factors) is set to its gradient,
-        not optimized.
+      grads: gradients of the scaled loss (`jax_lossscale.scaled_value_and_grad`), with
+        the structure of `params`. As in flax, the collection `"_overwrite_with_gradient"`
+        (fp8 scales and amax histories) is set to its gradient, not optimized, but only
+        on an applied step: an overflowed step's inf never reaches it.
       loss: optional, the unscaled loss: a non-finite loss skips the step without
         changing the loss scale (see `jax_lossscale.loss_scaling`).
-      **kwargs: other fields to `replace`, as in flax.
+      **kwargs: other fields to `replace`, as in flax (`batch_stats=...`). They follow
+        the step's decision too: on a skipped step the old values are kept.
 
     Returns:
-      The new state, `step` incremented (also on a skipped step: it counts calls;
-      the optimizer's own count and schedules do not advance on a skipped step).
+      The new state. `step` counts calls, as flax's does; the optimizer's own count and
+      schedules advance only on applied steps.
     """
     overwrite = isinstance(grads, (dict, FrozenDict)) and OVERWRITE_WITH_GRADIENT in grads
-    params, grads_with_opt = (self.params["params"], grads["params"]) if overwrite \
+    params, grads_to_optimize = (self.params["params"], grads["params"]) if overwrite \
         else (self.params, grads)
     extra = {} if loss is None else {"loss": loss}
-    if hasattr(self.tx, "apply_gradients"):
-      new_params, opt_state = self.tx.apply_gradients(grads_with_opt, self.opt_state, params,
-                                                      **extra)
-    else:
-      updates, opt_state = self.tx.update(grads_with_opt, self.opt_state, params, **extra)
-      new_params = optax.apply_updates(params, updates)
+    new_params, opt_state = _transform.apply_gradients(
+        self.tx, grads_to_optimize, self.opt_state, params, **extra)
     if overwrite:
-      new_params = {"params": new_params,
-                    OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+      new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: _monitoring.if_applied(
+          opt_state, grads[OVERWRITE_WITH_GRADIENT], self.params[OVERWRITE_WITH_GRADIENT])}
+    old = _like(kwargs, {k: getattr(self, k) for k in kwargs})
+    kwargs = _monitoring.if_applied(opt_state, kwargs, old)
     return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state, **kwargs)
+
+
+def _like(new: Any, old: Any) -> Any:
+  """`old` in `new`'s containers (flax returns dicts where a state may hold FrozenDicts)."""
+  return jax.tree.unflatten(jax.tree.structure(new), jax.tree.leaves(old))
+
+
+def _register(cls: type) -> None:
+  """`cls` (a loss scale) with `flax.serialization`, as a dict of its state fields."""
+
+  def to_state_dict(loss_scale):
+    return {name: serialization.to_state_dict(getattr(loss_scale, name))
+            for name in cls._state_names}
+
+  def from_state_dict(target, state):
+    # Through the pytree's own unflatten: no constructor runs, so classes with
+    # TensorFlow-style constructor arguments restore as well.
+    leaves = [serialization.from_state_dict(getattr(target, name), state[name])
+              for name in cls._state_names]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
+
+  serialization.register_serialization_state(cls, to_state_dict, from_state_dict,
+                                             override=True)
+
+
+for _cls in REGISTRY.values():
+  _register(_cls)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _trees
 from jax_lossscale import all_finite as _all_finite
 from jax_lossscale import select_tree as _select_tree
 from jax_lossscale._policy import DTYPE_NAMES as dtype_to_names
@@ -75,25 +76,10 @@ def _boolean_scalar(value: Any, where: str, argument: str) -> jax.Array:
 
 
 def _pytree(*leaves: str):
-  """Registers a dataclass as a pytree: `leaves` as children, every other field static.
-
-  The static fields are read from the dataclass, so none can be forgotten. Children
-  are keyed by position, as jmp's are, so checkpoints name them alike. Unflattening
-  skips `__init__`: JAX transformations put tracers, `None` or sentinels in leaves.
-  """
+  """Registers a dataclass as jmp's pytree: `leaves` as children keyed by position, as
+  jmp's are (so checkpoints name them alike), every other field static."""
   def register(cls):
-    static = tuple(f.name for f in dataclasses.fields(cls) if f.name not in leaves)
-
-    def flatten(obj):
-      return tuple(getattr(obj, n) for n in leaves), tuple(getattr(obj, n) for n in static)
-
-    def unflatten(aux, children):
-      obj = object.__new__(cls)
-      for name, value in zip(static + leaves, (*aux, *children), strict=True):
-        object.__setattr__(obj, name, value)
-      return obj
-
-    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    _trees.register_dataclass(cls, leaves, keyed=False)
     return cls
   return register
 

@@ -11,29 +11,13 @@ reference model of that system in `tests/test_parity.py`.
 
 from __future__ import annotations
 
-import contextlib
-import re
-
 import numpy as np
 
+from jax_lossscale import _numerics
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import DynamicLossScale
 
 __all__ = ("deepspeed", "flax", "jmp", "keras", "megatron", "pytorch", "tensorflow")
-
-
-@contextlib.contextmanager
-def _named(**names: str):
-  """Re-raises `DynamicLossScale`'s errors with this system's argument names.
-
-  `names` maps each of `DynamicLossScale`'s argument names to the preset's own.
-  """
-  try:
-    yield
-  except ValueError as error:
-    message = re.sub(r"`(\w+)`", lambda m: f"`{names.get(m.group(1), m.group(1))}`",
-                     str(error))
-    raise ValueError(message) from None
 
 
 def tensorflow(
@@ -55,7 +39,7 @@ def pytorch(
   scale times a double, rounded to float32: `factor_precision="float64"`), so any
   factor, not only powers of two, gives PyTorch's trajectory bit for bit.
   """
-  with _named(initial_loss_scale="init_scale", increment_period="growth_interval",
+  with _validation.renamed(initial_loss_scale="init_scale", increment_period="growth_interval",
               multiplier="growth_factor"):
     return DynamicLossScale(
         init_scale, growth_interval, growth_factor, backoff_factor=backoff_factor,
@@ -76,7 +60,7 @@ def deepspeed(
   (The class itself defaults to `init_scale=2**32` and `delayed_shift=1`; DeepSpeed's
   fp16 config defaults to `initial_scale_power=16`, `hysteresis=2`.)
   """
-  with _named(initial_loss_scale="init_scale", increment_period="scale_window",
+  with _validation.renamed(initial_loss_scale="init_scale", increment_period="scale_window",
               multiplier="scale_factor", min_loss_scale="min_scale",
               hysteresis="delayed_shift"):
     return DynamicLossScale(
@@ -94,7 +78,7 @@ def megatron(
     hysteresis: int = 2,
 ) -> DynamicLossScale:
   """Megatron-LM's `DynamicGradScaler`."""
-  with _named(initial_loss_scale="initial_scale", increment_period="growth_interval",
+  with _validation.renamed(initial_loss_scale="initial_scale", increment_period="growth_interval",
               multiplier="growth_factor", min_loss_scale="min_scale"):
     return DynamicLossScale(
         initial_scale, growth_interval, growth_factor, backoff_factor=backoff_factor,
@@ -104,7 +88,8 @@ def megatron(
 
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicLossScale:
   """Keras 3's `LossScaleOptimizer`: ×2 / ÷2, no floor."""
-  with _named(initial_loss_scale="initial_scale", increment_period="dynamic_growth_steps"):
+  with _validation.renamed(initial_loss_scale="initial_scale",
+                           increment_period="dynamic_growth_steps"):
     return DynamicLossScale(initial_scale, dynamic_growth_steps, 2.0, min_loss_scale=0.0)
 
 
@@ -113,7 +98,8 @@ def jmp(
     min_loss_scale: float = 1.0,
 ) -> DynamicLossScale:
   """DeepMind jmp's `DynamicLossScale`."""
-  with _named(initial_loss_scale="loss_scale", increment_period="period", multiplier="factor"):
+  with _validation.renamed(initial_loss_scale="loss_scale", increment_period="period",
+                           multiplier="factor"):
     return DynamicLossScale(loss_scale, period, factor, min_loss_scale=min_loss_scale)
 
 
@@ -131,9 +117,10 @@ def flax(
   that is `increment_period = growth_interval + 1` here. It also caps the scale at
   the largest float32.
   """
-  growth_interval = _validation.integer("growth_interval", growth_interval, 1,
-                                        _validation.INT32_MAX - 1)
-  with _named(initial_loss_scale="scale", multiplier="growth_factor",
+  # flax accepts 0 (a growth on every finite step): increment_period 1 here.
+  growth_interval = _validation.integer("growth_interval", growth_interval, 0,
+                                        _numerics.INT32_MAX - 1)
+  with _validation.renamed(initial_loss_scale="scale", multiplier="growth_factor",
               min_loss_scale="minimum_scale"):
     return DynamicLossScale(
         scale, growth_interval + 1, growth_factor, backoff_factor=backoff_factor,

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import force_branch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale import _tree
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices")
 
@@ -63,7 +63,7 @@ def test_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh, 
   ones = {"w": jnp.ones((16, 4)), "b": jnp.ones(4)}
   good = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), ones, params)
   bad = dict(good, w=jax.device_put(ones["w"].at[5, 1].set(jnp.inf), params["w"].sharding))
-  with _tree.forced_branch(branch):  # the GPU/TPU branch too, traced here
+  with force_branch(branch):  # the GPU/TPU branch too, traced here
     step = jax.jit(tx.apply_gradients)
     skipped_params, state = step(bad, state, params)
     applied_params, state = step(good, state, skipped_params)
@@ -133,8 +133,8 @@ def per_device_case(mesh):
 
 
 def state_specs(state):
-  """Scalars replicated, arrays split along "data" (as README's shard_map example)."""
-  return jax.tree.map(lambda x: P("data") if x.ndim else P(), state)
+  """What is shaped like the (2-D) parameters is split along "data", the rest replicated."""
+  return jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), state)
 
 
 @pytest.mark.parametrize("axis_name", ["data", ("data",)])
@@ -153,18 +153,61 @@ def test_shard_map_axis_name_makes_every_device_agree_to_skip(mesh, axis_name):
   assert (np.asarray(updates) != 0).all() and int(new_state.skipped_steps) == 1
 
 
-def test_without_axis_name_shard_map_replicas_would_diverge(mesh):
-  # Why `axis_name` exists: each device decides alone, and only device 5 skips.
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_without_axis_name_shard_map_replicas_agree_by_construction(mesh, check_vma):
+  # Each device used to decide alone: only device 5 skipped, and the scales diverged.
   params, grads = per_device_case(mesh)
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
   state = tx.init(params)
   per_device = jax.jit(jax.shard_map(
       lambda g, s, p: tx.update(g, s, p)[1].loss_scale()[None], mesh=mesh,
       in_specs=(P("data"), state_specs(state), P("data")), out_specs=P("data"),
-      check_vma=False,
-  ))
-  scales = np.asarray(per_device(grads, state, params))
-  assert list(scales) == [8, 8, 8, 8, 8, 4, 8, 8]
+      check_vma=check_vma))
+  assert list(np.asarray(per_device(grads, state, params))) == [4.0] * 8
+
+
+def pmap_step(tx, axis_name, loss_fn):
+  """flax's and haiku's data-parallel step: gradients pmean-ed, each replica's own loss."""
+  def step(params, state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    grads = jax.lax.pmean(state.loss_scale.scale(grads), axis_name)
+    return tx.apply_gradients(grads, state, params, loss=loss)
+  return jax.pmap(step, axis_name=axis_name)
+
+
+@pytest.mark.parametrize("branch", ["cpu", "default"])
+def test_pmap_replicas_never_disagree_when_one_replica_has_a_nan_loss(branch):
+  # Replica 3's loss is NaN (kept scale) while the pmean-ed gradients are NaN everywhere
+  # (backoff): the replicas used to take different decisions and drift apart.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
+  params = jax.tree.map(lambda a: jnp.stack([a] * 8), {"w": jnp.ones(3)})
+  state = jax.pmap(tx.init)(params)
+  x = jnp.ones((8, 3)).at[3, 0].set(jnp.nan)
+  with force_branch(branch):
+    step = pmap_step(tx, "batch", lambda p, x: jnp.sum(p["w"] * x))
+    new_params, new_state = step(params, state, x)
+  for leaf in jax.tree.leaves((new_params, new_state)):
+    assert (np.asarray(leaf) == np.asarray(leaf)[0]).all() or np.isnan(np.asarray(leaf)).all()
+  assert list(np.asarray(new_state.loss_scale())) == [8.0] * 8  # the forward pass is blamed
+  assert list(np.asarray(new_state.nonfinite_loss_steps)) == [1] * 8
+  chex.assert_trees_all_equal(new_params, params)
+
+
+def test_scaled_value_and_grad_axis_name_gives_every_replica_the_same_loss_and_grads():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
+  params = jax.tree.map(lambda a: jnp.stack([a] * 8), {"w": jnp.ones(3)})
+  state = jax.pmap(tx.init)(params)
+  grad_fn = jls.scaled_value_and_grad(lambda p, x: jnp.sum(p["w"] * x), axis_name="batch")
+
+  def step(params, state, x):
+    loss, grads = grad_fn(state, params, x)
+    return (*tx.apply_gradients(grads, state, params, loss=loss), loss)
+
+  x = jnp.arange(24.0).reshape(8, 3).at[3, 0].set(jnp.nan)
+  new_params, new_state, loss = jax.pmap(step, axis_name="batch")(params, state, x)
+  assert np.isnan(np.asarray(loss)).all()  # the mean of the losses, on every replica
+  chex.assert_trees_all_equal(new_params, params)
+  assert list(np.asarray(new_state.loss_scale())) == [8.0] * 8
 
 
 def test_pmap_axis_name_makes_every_replica_agree():
@@ -211,7 +254,7 @@ def test_float16_updates_are_checked_on_every_device_and_agreed(mesh, branch):
                          NamedSharding(mesh, P("data")))
   tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(8.0), axis_name="data")
   state = tx.init(params)
-  with _tree.forced_branch(branch):
+  with force_branch(branch):
     update = shard_map_update(tx, mesh, state_specs(state))
     updates, new_state = update(grads, state, params)
   chex.assert_trees_all_equal(updates, -jnp.zeros((8, 3), jnp.float16))

@@ -81,7 +81,7 @@ def shard_map_sharded_params():
   tx = jls.loss_scaling(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(2.0**8),
                         axis_name="data")
   state = tx.init(params)
-  specs = jax.tree.map(lambda x: P("data") if x.ndim else P(), state)
+  specs = jax.tree.map(lambda x: P("data") if x.shape == params.shape else P(), state)
   update = jax.jit(jax.shard_map(
       lambda g, s, p: tx.update(g, s, p), mesh=mesh,
       in_specs=(P("data"), specs, P("data")), out_specs=(P("data"), specs)))

@@ -93,10 +93,10 @@ def test_shared_clipping_reads_the_gradients_no_more_than_plain_clipped_optax(pa
 def test_the_check_reads_each_leaf_once():
   # One variadic (max, min) reduction per large leaf, with NaN replaced by +inf
   # inside it, not in a pass in front: the bytes of the leaves, plus scalars.
-  from jax_lossscale import _tree
+  from jax_lossscale import _finite
 
   grads = {"a": jnp.ones((1000, 100)), "b": jnp.ones((77_777,), jnp.float16)}
-  compiled = jax.jit(lambda g: [m for _, m in _tree.largest_magnitudes(g)]).lower(
+  compiled = jax.jit(lambda g: [m for _, m in _finite.largest_magnitudes(g)]).lower(
       grads).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -111,12 +111,12 @@ def reductions(compiled) -> int:
 def test_small_leaves_share_their_reductions():
   # Compile time follows the number of kernels: 1000 small leaves are checked with
   # 16 reductions (64 leaves to a concatenation), large leaves with one each.
-  from jax_lossscale import _tree
+  from jax_lossscale import _finite
 
   small = [jnp.ones((16, 16)) for _ in range(1000)]
-  assert reductions(jax.jit(_tree.all_finite).lower(small).compile()) <= 1000 // 64 + 2
+  assert reductions(jax.jit(_finite.all_finite).lower(small).compile()) <= 1000 // 64 + 2
   large = [jnp.ones((1 << 15,)) for _ in range(10)]
-  assert reductions(jax.jit(_tree.all_finite).lower(large).compile()) <= 10 + 1
+  assert reductions(jax.jit(_finite.all_finite).lower(large).compile()) <= 10 + 1
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])

@@ -1,4 +1,4 @@
-"""float16 training with loss scaling matches float32; without it, gradients vanish.
+"""The demos: float16 training with loss scaling matches float32; without it, gradients vanish.
 
 A small version of the demo's model (character-level MLP on Python's bundled docs).
 Tolerance: the float16 run may end within 1% of the float32 run's held-out loss.
@@ -13,20 +13,21 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale import demo
+from jax_lossscale.demo import mlp
 
 pytestmark = pytest.mark.xdist_group("fidelity")  # the `runs` fixture is computed once
 
 TOLERANCE = 0.01
-CONFIG = demo.Config(steps=100, batch=8192, hidden=64, learning_rate=1e-2)
+CONFIG = mlp.Config(steps=100, batch=8192, hidden=64, learning_rate=1e-2)
 
 
 @pytest.fixture(scope="module")
 def runs():
-  data = demo.Dataset.load()
+  data = mlp.Text.load()
   plan = {"float32": (jnp.float32, jls.NoOpLossScale()),
           "float16": (jnp.float16, jls.NoOpLossScale()),
           "dynamic": (jnp.float16, jls.DynamicLossScale())}
-  return {name: demo.evaluate(demo.train(name, data, CONFIG, dtype, ls, progress=False),
+  return {name: mlp.evaluate(mlp.train(name, data, CONFIG, dtype, ls, progress=False),
                               data, CONFIG, dtype)
           for name, (dtype, ls) in plan.items()}
 

@@ -1,7 +1,7 @@
-"""Every JAX training stack: flax NNX, flax linen's TrainState, equinox, plain optax.
+"""Every JAX training stack: flax NNX and equinox (flax linen's TrainState: test_flax.py).
 
-Each trains a small model with the real library, skips an overflowed step exactly,
-and gets plain arrays from `metrics` and `get_loss_scale`.
+Each trains a small model with the real library, skips an overflowed step exactly, and
+gets plain arrays from `metrics`.
 """
 
 from collections.abc import Callable
@@ -13,11 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen
 from flax import nnx
 
 import jax_lossscale as jls
-from jax_lossscale.flax import TrainState
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
 Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), jnp.float32)
@@ -75,79 +73,7 @@ def test_flax_nnx_optimizer_with_batchnorm_and_dropout():
   for metrics in (jls.metrics(optimizer.opt_state), nnx_step(model, optimizer, X, Y, 1.0)[1]):
     assert all(isinstance(v, jax.Array) for v in metrics.values())
   assert f"{jls.metrics(optimizer.opt_state)['skipped_steps']:d}" == "1"
-  loss_scale = jls.get_loss_scale(optimizer.opt_state)
-  assert isinstance(loss_scale.current_loss_scale, jax.Array)
-  assert float(loss_scale()) == 2.0**14  # backed off once
-
-
-# --- flax linen -----------------------------------------------------------------------
-
-
-class LinenModel(linen.Module):
-  @linen.compact
-  def __call__(self, x):
-    return linen.Dense(2)(linen.relu(linen.Dense(8)(x)))
-
-
-def linen_state(state_class, tx):
-  model = LinenModel()
-  params = model.init(jax.random.key(0), X)["params"]
-  return state_class.create(apply_fn=model.apply, params=params, tx=tx)
-
-
-def linen_loss(params, apply_fn, x, y):
-  return jnp.mean((apply_fn({"params": params}, x) - y) ** 2)
-
-
-@jax.jit
-def linen_step(state, x, y):
-  grad_fn = jls.scaled_value_and_grad(linen_loss)
-  loss, grads = grad_fn(state.opt_state, state.params, state.apply_fn, x, y)
-  return state.apply_gradients(grads=grads, loss=loss), loss
-
-
-def test_flax_linen_train_state_takes_the_loss_and_fuses_the_step():
-  tx = jls.loss_scaling(optax.MultiSteps(optax.adam(1e-2), 2), clip_by_global_norm=1.0)
-  state = linen_state(TrainState, tx)
-  losses = []
-  for _ in range(20):
-    state, loss = linen_step(state, X, Y)
-    losses.append(float(loss))
-  assert losses[-1] < losses[0] and int(state.step) == 20
-  # A NaN loss skips the step: params unchanged, the loss scale left alone.
-  before = state.params
-  state, _ = linen_step(state, X * jnp.nan, Y)
-  chex.assert_trees_all_equal(state.params, before)
-  assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
-
-
-def test_flax_linen_train_state_equals_flax_own_to_float_rounding():
-  from flax.training import train_state
-
-  tx = jls.loss_scaling(optax.adam(1e-2))
-  ours, theirs = linen_state(TrainState, tx), linen_state(train_state.TrainState, tx)
-
-  @jax.jit
-  def their_step(state, x, y):
-    _, grads = jls.scaled_value_and_grad(linen_loss)(state.opt_state, state.params,
-                                                     state.apply_fn, x, y)
-    return state.apply_gradients(grads=grads)
-
-  for _ in range(5):
-    ours, _ = linen_step(ours, X, Y)
-    theirs = their_step(theirs, X, Y)
-  chex.assert_trees_all_close(ours.params, theirs.params, rtol=1e-6, atol=1e-7)
-
-
-def test_train_state_overwrite_with_gradient_collection_is_set_not_optimized():
-  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0))
-  params = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"scale": jnp.ones(1)}}
-  state = TrainState.create(apply_fn=None, params=params, tx=tx)
-  grads = {"params": {"w": jnp.full(2, 0.5)},
-           "_overwrite_with_gradient": {"scale": jnp.full(1, 7.0)}}
-  state = state.apply_gradients(grads=grads)
-  chex.assert_trees_all_equal(state.params["params"]["w"], jnp.full(2, 0.5))
-  chex.assert_trees_all_equal(state.params["_overwrite_with_gradient"]["scale"], jnp.full(1, 7.0))
+  assert float(jls.metrics(optimizer)["loss_scale"]) == 2.0**14  # backed off once
 
 
 # --- equinox ---------------------------------------------------------------------------
@@ -201,3 +127,23 @@ def test_equinox_module_with_static_fields(fused):
   model, state, _ = step(model, state, X.at[0, 0].set(jnp.inf), Y)
   chex.assert_trees_all_equal(eqx.filter(model, eqx.is_array), before)
   assert int(jls.metrics(state)["skipped_steps"]) == 1
+
+
+def test_equinox_module_is_accepted_whole_by_init_and_apply_gradients():
+  # apply_gradients(grads, state, module) failed with "unsupported operand + :
+  # custom_jvp and NoneType"; now the module is taken as eqx.apply_updates takes it.
+  model = EqxModel(jax.random.key(0))
+  tx = jls.loss_scaling(optax.adam(1e-2))
+  state = tx.init(model)
+  grad_fn = jls.scaled_value_and_grad(eqx_loss, value_and_grad=eqx.filter_value_and_grad)
+
+  @eqx.filter_jit
+  def step(model, state, x, y):
+    loss, grads = grad_fn(state, model, x, y)
+    return *tx.apply_gradients(grads, state, model, loss=loss), loss
+
+  losses = []
+  for _ in range(10):
+    model, state, loss = step(model, state, X, Y)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0] and model.activation is jax.nn.gelu and model.name == "mlp"

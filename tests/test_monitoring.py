@@ -1,5 +1,6 @@
-"""Specification of reading the state: `get_loss_scale`, `metrics`, `raise_if_stuck`."""
+"""Specification of reading the state: `metrics`, `if_applied`, `raise_if_stuck`."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import _monitoring
 
 PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}}
 GOOD = jax.tree.map(jnp.ones_like, PARAMS)
@@ -23,33 +25,56 @@ def steps(tx, sequence, params=PARAMS):
 
 
 @pytest.mark.parametrize(
-    "wrap",
-    [
-        lambda tx: tx,
-        lambda tx: optax.chain(optax.identity(), tx),
-        lambda tx: optax.MultiSteps(tx, 2),
-        lambda tx: optax.multi_transform({"a": tx, "b": optax.set_to_zero()},
-                                         {"dense": {"kernel": "a", "bias": "b"}}),
-    ],
-    ids=["bare", "chain", "multisteps", "multi_transform"],
-)
-def test_get_loss_scale_finds_the_scale_in_nested_states(wrap):
-  tx = wrap(jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0)))
-  state = tx.init(PARAMS)
-  assert isinstance(jls.get_loss_scale(state), jls.DynamicLossScale)
-  assert float(jls.get_loss_scale(state)()) == 64.0
+    "make, why",
+    [(lambda tx: optax.chain(optax.add_decayed_weights(1e-4), tx), "chained before"),
+     (lambda tx: optax.chain(tx, optax.add_decayed_weights(1e-4)), "chained after"),
+     (lambda tx: optax.MultiSteps(tx, 2), "MultiSteps around loss_scaling"),
+     (lambda tx: optax.inject_hyperparams(lambda learning_rate: tx)(learning_rate=0.1),
+      "inject_hyperparams around loss_scaling"),
+     (lambda tx: optax.multi_transform({"a": tx, "b": optax.set_to_zero()},
+                                       {"dense": {"kernel": "a", "bias": "b"}}),
+      "multi_transform")],
+    ids=["decay_before", "decay_after", "multisteps", "inject_hyperparams", "multi_transform"])
+def test_a_composition_where_loss_scaling_is_not_outermost_is_refused(make, why):
+  # The docs chained add_decayed_weights before loss_scaling: the decay was divided by
+  # the scale. After it, a decay (or a schedule) still ran on skipped steps.
+  state = make(jls.loss_scaling(optax.sgd(0.1))).init(PARAMS)
+  for read in (jls.metrics, lambda s: jls.scaled_value_and_grad(lambda p: 0.0)(s, PARAMS)):
+    with pytest.raises(ValueError, match=f"not the outermost transformation.*{why}.*The rule"):
+      read(state)
 
 
-def test_get_loss_scale_inside_inject_hyperparams():
-  tx = optax.inject_hyperparams(
-      lambda learning_rate: jls.loss_scaling(optax.sgd(learning_rate), 32.0)
-  )(learning_rate=0.1)
-  assert float(jls.get_loss_scale(tx.init(PARAMS))()) == 32.0
+@pytest.mark.parametrize("make", [lambda tx: tx, lambda tx: optax.chain(tx)],
+                         ids=["bare", "chain_of_one"])
+def test_the_state_is_found_where_loss_scaling_is_outermost(make):
+  state = make(jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0))).init(PARAMS)
+  assert float(jls.metrics(state)["loss_scale"]) == 64.0
 
 
-def test_get_loss_scale_without_loss_scaling_says_what_is_wrong():
-  with pytest.raises(ValueError, match="found 0"):
-    jls.get_loss_scale(optax.adam(1e-3).init(PARAMS))
+def test_without_loss_scaling_the_error_says_what_is_wrong():
+  with pytest.raises(ValueError, match="found 0.*Is the optimizer wrapped"):
+    jls.metrics(optax.adam(1e-3).init(PARAMS))
+
+
+def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
+  from flax import nnx
+
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jls.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+  assert float(jls.metrics(optimizer)["loss_scale"]) == 2.0**15
+  # nnx.state keeps only arrays, in dicts: README sends users to the optimizer instead.
+  with pytest.raises(ValueError, match=r"nnx.state\(optimizer\) keeps only arrays"):
+    jls.metrics(nnx.state(optimizer))
+
+
+def test_if_applied_makes_other_state_follow_the_step_decision():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+  old, new = {"mean": jnp.zeros(2)}, {"mean": jnp.full(2, jnp.nan)}
+  skipped = steps(tx, [(BAD, None)])
+  chex.assert_trees_all_equal(jax.jit(jls.if_applied)(skipped, new, old), old)
+  applied = steps(tx, [(GOOD, None)])
+  chex.assert_trees_all_equal(jls.if_applied(applied, {"mean": jnp.ones(2)}, old),
+                              {"mean": jnp.ones(2)})
 
 
 def test_metrics_are_scalars_ready_for_logging():
@@ -59,6 +84,7 @@ def test_metrics_are_scalars_ready_for_logging():
   assert {k: v.item() for k, v in metrics.items()} == {
       "loss_scale": 8.0, "skipped_steps": 1, "consecutive_skips": 1,
       "last_applied": False, "nonfinite_loss_steps": 0, "nonfinite_update_steps": 0,
+      "consecutive_nonfinite_loss": 0, "consecutive_nonfinite_updates": 0,
   }
 
 
@@ -80,7 +106,7 @@ def test_metrics_and_loss_scale_are_plain_arrays_whatever_wraps_the_state():
   metrics = jls.metrics(wrapped)
   assert all(isinstance(v, jax.Array) for v in metrics.values())
   assert f"{metrics['skipped_steps']:d}" == "1" and not bool(metrics["last_applied"])
-  loss_scale = jls.get_loss_scale(wrapped)
+  loss_scale = _monitoring.find_state(wrapped).loss_scale
   assert isinstance(loss_scale.current_loss_scale, jax.Array)
   assert float(loss_scale()) == 8.0
   jls.raise_if_stuck(wrapped, max_consecutive_skips=2)

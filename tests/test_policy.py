@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import _policy
 
 NAMES = ["bf16", "bfloat16", "f16", "float16", "full", "f32", "float32", "f64", "float64",
          "half"]
@@ -65,6 +66,51 @@ def test_policy_refuses_a_dtype_that_is_not_floating():
     jls.Policy(jnp.float32, jnp.float16, "nope")
 
 
+@pytest.mark.parametrize("name, expected", [
+    ("f16", jnp.float16), ("float16", jnp.float16), ("bf16", jnp.bfloat16),
+    ("f32", jnp.float32), ("full", jnp.float32), ("f64", jnp.float64)])
+def test_a_policy_name_means_the_same_dtype_in_policy_as_in_get_policy(name, expected):
+  policy = jls.Policy(jnp.float32, name, jnp.float32)
+  assert policy.compute_dtype == expected == jls.get_policy(f"c={name}").compute_dtype
+
+
+def test_half_in_policy_is_the_backend_half_dtype():
+  assert jls.Policy("half", "half", "half").param_dtype == jls.get_policy("half").param_dtype
+
+
+@pytest.mark.parametrize("dtype", [
+    jnp.float16, np.float16, np.dtype("float16"), jnp.dtype(jnp.bfloat16), "float8_e4m3fn",
+    jnp.float8_e5m2])
+def test_policy_keeps_a_real_floating_dtype(dtype):
+  assert jls.Policy(dtype, dtype, dtype).output_dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
+def test_policy_refuses_none_naming_the_field(field):
+  dtypes = dict(param_dtype=jnp.float32, compute_dtype=jnp.float16, output_dtype=jnp.float32)
+  dtypes[field] = None
+  with pytest.raises(ValueError, match=f"`{field}` must be a floating dtype.*got None"):
+    jls.Policy(**dtypes)
+
+
+@pytest.mark.parametrize("value", [
+    "f8", "f4", "float", "double", "e", "<f2", "F16", "int8", "", "fp16",
+    pytest.param(float, id="python-float"), pytest.param(complex, id="python-complex"),
+    jnp.complex64, jnp.int32, np.dtype("uint8"), jnp.bool_, pytest.param(object(), id="object")])
+def test_as_dtype_refuses_anything_but_a_floating_dtype_or_a_policy_name(value):
+  with pytest.raises(ValueError) as error:
+    _policy.as_dtype(value, "dtype")
+  message = str(error.value)
+  assert message.startswith("`dtype` must be a floating dtype")
+  assert repr(value) in message and "'bf16'" in message and "'half'" in message
+
+
+def test_with_output_dtype_reads_a_policy_name():
+  assert jls.get_policy("f32").with_output_dtype("f16").output_dtype == jnp.float16
+  with pytest.raises(ValueError, match="`output_dtype`.*got 'f8'"):
+    jls.get_policy("f32").with_output_dtype("f8")
+
+
 def test_casts_touch_floating_leaves_only():
   policy = jls.get_policy("p=f32,c=f16,o=f32")
   tree = {"w": jnp.ones(2), "step": jnp.array(3), "mask": jnp.array([True]), "none": None,
@@ -78,7 +124,8 @@ def test_casts_touch_floating_leaves_only():
   assert policy.cast_to_param(cast)["w"].dtype == jnp.float32
   # The same as jmp, leaf for leaf (jmp leaves complex leaves alone too).
   theirs = jmp.get_policy("p=f32,c=f16,o=f32").cast_to_compute(tree)
-  assert jax.tree.map(lambda a, b: a is b or a.dtype == b.dtype, cast, theirs)
+  same = jax.tree.map(lambda a, b: a is b or a.dtype == b.dtype, cast, theirs)
+  assert all(jax.tree.leaves(same)), same
 
 
 def test_casts_work_under_jit():

@@ -44,8 +44,8 @@ def test_get_rejects_anything_else(identifier):
     jls.get(identifier)
 
 
-def test_get_passes_value_errors_of_bad_numbers_through():
-  with pytest.raises(ValueError, match="loss_scale_value"):
+def test_get_passes_value_errors_of_bad_numbers_through_in_its_own_words():
+  with pytest.raises(ValueError, match="`identifier` must be >= 1, got 0.5"):
     jls.get(0.5)
 
 

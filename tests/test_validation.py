@@ -15,7 +15,6 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale import presets
 
 BIG = 2**31  # one more than the largest int32
 
@@ -53,15 +52,19 @@ def test_values_are_checked_as_float32_and_int32(build, name):
 def test_the_limits_themselves_are_accepted():
   top = float(np.finfo(np.float32).max)
   assert float(jls.FixedLossScale(top)()) == top
-  assert jls.DynamicLossScale(min_loss_scale=float(np.finfo(np.float32).tiny))
-  assert jls.DynamicLossScale(increment_period=BIG - 1, hysteresis=BIG - 1)
-  assert jls.DynamicLossScale(multiplier=1 + 2.0**-23, backoff_factor=1 - 2.0**-24)
+  tiny = float(np.finfo(np.float32).tiny)
+  assert jls.DynamicLossScale(min_loss_scale=tiny).min_loss_scale == tiny
+  edge = jls.DynamicLossScale(increment_period=BIG - 1, hysteresis=BIG - 1)
+  assert (edge.increment_period, edge.hysteresis) == (BIG - 1, BIG - 1)
+  factors = jls.DynamicLossScale(multiplier=1 + 2.0**-23, backoff_factor=1 - 2.0**-24)
+  assert (factors.multiplier, factors.backoff_factor) == (1 + 2.0**-23, 1 - 2.0**-24)
 
 
 def test_a_dynamic_scale_at_the_edge_of_float32_never_becomes_inf_nan_or_zero():
   # Growth from 2**127 and backoff to the floor, in one jitted scan.
   def run(loss_scale, finite):
-    return jax.lax.scan(lambda ls, f: (ls.adjust(f)[0],) * 2, loss_scale, finite)[1]
+    step = lambda ls, f: (ls.update({"g": jnp.where(f, 1.0, jnp.inf)})[0],) * 2  # noqa: E731
+    return jax.lax.scan(step, loss_scale, finite)[1]
 
   finite = jnp.concatenate([jnp.ones(5, bool), jnp.zeros(200, bool), jnp.ones(300, bool)])
   scales = np.asarray(jax.jit(run)(jls.DynamicLossScale(2.0**126, 1, 2), finite)())
@@ -91,18 +94,17 @@ def test_a_traced_hyperparameter_is_refused_with_a_clear_message():
 
 @pytest.mark.parametrize("flag", ["x", float("nan"), 2.5, 1, jnp.array([True, False]),
                                   jnp.ones(()), None])
-def test_adjust_takes_only_a_boolean_scalar(flag):
+def test_update_loss_scale_takes_only_a_boolean_scalar(flag):
   # "x", nan and 2.5 used to count as finite; a shape-(2,) flag gave the state shape (2,).
-  with pytest.raises(ValueError, match="`grads_finite` must be a boolean scalar"):
-    jls.DynamicLossScale().adjust(flag)
   with pytest.raises(ValueError, match="`finite_grads` must be a boolean scalar"):
     jls.ExponentialUpdateLossScaleManager(8, 2).update_loss_scale(flag)
 
 
 @pytest.mark.parametrize("flag", [True, np.bool_(False), jnp.array(True)])
-def test_adjust_takes_python_numpy_and_jax_booleans(flag):
-  loss_scale, should_apply = jls.DynamicLossScale(8.0).adjust(flag)
-  assert bool(should_apply) == bool(flag) and loss_scale.current_loss_scale.shape == ()
+def test_update_loss_scale_takes_python_numpy_and_jax_booleans(flag):
+  manager = jls.ExponentialUpdateLossScaleManager(8.0, 1).update_loss_scale(flag)
+  assert float(manager()) == (16.0 if bool(flag) else 8.0)
+  assert manager.current_loss_scale.shape == ()
 
 
 @pytest.mark.parametrize(
@@ -126,21 +128,25 @@ def test_deserialize_refuses_state_and_unknown_keys():
     jls.deserialize(json.loads(json.dumps(config)))
 
 
-def test_presets_name_arguments_in_their_own_vocabulary():
-  # presets.flax(growth_interval=-1) used to say "`increment_period` ... got 0".
-  with pytest.raises(ValueError, match=r"`growth_interval` must be >= 1, got -1"):
-    presets.flax(growth_interval=-1)
-  with pytest.raises(ValueError, match=r"`growth_factor` must exceed 1"):
-    presets.pytorch(growth_factor=1 + 1e-9)
-
-
 def test_loss_scaling_errors_name_the_argument():
   with pytest.raises(TypeError, match="`inner`"):
     jls.loss_scaling("adam")  # was AttributeError
   tx = jls.loss_scaling(optax.sgd(0.1))
   with pytest.raises(TypeError, match="`state`"):
     tx.update({"w": jnp.ones(2)}, None)  # was AttributeError
-  assert jls.loss_scaling(optax.sgd(0.1), clip_by_global_norm=np.float32(1.0))  # was refused
+  tx = jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=np.float32(1.0))  # was refused
+  updates, _ = tx.update({"w": jnp.full(4, 10.0)}, tx.init({"w": jnp.zeros(4)}))
+  np.testing.assert_allclose(np.linalg.norm(updates["w"]), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss_scale, match", [
+    ("Dynamic ", "given as `loss_scale`: use a LossScale, a number >= 1"),
+    (0.5, "`loss_scale` must be >= 1, got 0.5"),
+    (None, "`loss_scale` must be a LossScale")])
+def test_loss_scaling_names_its_own_loss_scale_argument(loss_scale, match):
+  # It said neither `loss_scale` nor what is allowed, or named `loss_scale_value`.
+  with pytest.raises(ValueError, match=match):
+    jls.loss_scaling(optax.sgd(0.1), loss_scale)
 
 
 def test_raise_if_stuck_accepts_numpy_integers():
@@ -151,10 +157,10 @@ def test_raise_if_stuck_accepts_numpy_integers():
 @pytest.mark.parametrize("loss_scale", [-1.0, float("nan"), 0.0, 1e39])
 def test_gradient_stats_refuses_a_scale_that_is_not_a_positive_float32(loss_scale):
   with pytest.raises(ValueError, match="`loss_scale`"):
-    jls.gradient_stats({"g": jnp.ones(3)}, loss_scale=loss_scale)
+    jls.diagnostics.gradient_stats({"g": jnp.ones(3)}, loss_scale=loss_scale)
 
 
 def test_gradient_stats_still_takes_a_traced_scale():
-  stats = jax.jit(lambda s: jls.gradient_stats({"g": jnp.ones(3)}, loss_scale=s))(
+  stats = jax.jit(lambda s: jls.diagnostics.gradient_stats({"g": jnp.ones(3)}, loss_scale=s))(
       jnp.float32(2.0))
   assert int(stats["nonzero"]) == 3

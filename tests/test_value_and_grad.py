@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -52,11 +53,14 @@ def test_a_loss_scale_object_instead_of_the_optimizer_state_is_refused():
     jls.scaled_value_and_grad(loss_fn)(jls.DynamicLossScale(), PARAMS, jnp.ones(3))
 
 
-def test_the_scale_is_looked_up_in_any_optimizer_state_that_holds_one():
-  tx = optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(2.0)))
-  _, grads = jls.scaled_value_and_grad(loss_fn)(tx.init(PARAMS), PARAMS, jnp.ones(3))
-  chex.assert_trees_all_equal(grads, jax.tree.map(lambda g: 2 * g, jax.grad(loss_fn)(
-      PARAMS, jnp.ones(3))))
+def test_the_scale_is_looked_up_wherever_the_state_is_held():
+  # In an optax chain of one, or in an object holding the state (a flax TrainState).
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(2.0))
+  expected = jax.tree.map(lambda g: 2 * g, jax.grad(loss_fn)(PARAMS, jnp.ones(3)))
+  holder = type("Holder", (), {"opt_state": tx.init(PARAMS)})()
+  for state in (optax.chain(tx).init(PARAMS), holder):
+    _, grads = jls.scaled_value_and_grad(loss_fn)(state, PARAMS, jnp.ones(3))
+    chex.assert_trees_all_equal(grads, expected)
   with pytest.raises(ValueError, match="found 0"):
     jls.scaled_value_and_grad(loss_fn)(optax.sgd(0.1).init(PARAMS), PARAMS, jnp.ones(3))
 
@@ -90,3 +94,24 @@ def test_a_float16_loss_is_scaled_in_float32_and_returned_unscaled():
 
 def test_the_wrapper_is_named_after_the_loss_function():
   assert jls.scaled_value_and_grad(loss_fn).__name__ == "scaled_value_and_grad(loss_fn)"
+
+
+def test_a_value_and_grad_that_returns_only_gradients_is_refused_naming_it():
+  # jax.grad failed with "iteration over a 0-d array" from deep inside.
+  with pytest.raises(TypeError, match=r"`value_and_grad` must return \(\(value, aux\), grads\)"
+                                      r".*jax.grad returns only the gradients"):
+    jls.scaled_value_and_grad(loss_fn, value_and_grad=jax.grad)(
+        state_with_scale(2.0), PARAMS, jnp.ones(3))
+
+
+def test_axis_name_averages_the_loss_and_the_gradients_across_replicas():
+  n = jax.local_device_count()
+  x = jnp.arange(3.0 * n).reshape(n, 3)
+  state = jax.tree.map(lambda a: jnp.stack([a] * n), state_with_scale(4.0))
+  grad_fn = jls.scaled_value_and_grad(loss_fn, axis_name="batch")
+  loss, grads = jax.pmap(lambda s, x: grad_fn(s, PARAMS, x), axis_name="batch")(state, x)
+  expected_loss = jnp.mean(jax.vmap(lambda x: loss_fn(PARAMS, x))(x))
+  expected = jax.tree.map(lambda g: 4.0 * jnp.mean(g, axis=0),
+                          jax.vmap(lambda x: jax.grad(loss_fn)(PARAMS, x))(x))
+  np.testing.assert_allclose(loss, jnp.full(n, expected_loss), rtol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(lambda g: g[0], grads), expected, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Why loss scaling exists, shown on real data: `python -m jax_lossscale.demo`.
+"""The MLP demo: why loss scaling exists, shown on real data (`python -m jax_lossscale.demo`).
 
 A character-level MLP language model learns the documentation text that ships with
 Python (`pydoc_data.topics`, about 465k characters) with a large batch, where each
@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
+from jax_lossscale.demo.text import Text
 
 CONTEXT, EMBED = 16, 16
 
@@ -44,36 +45,10 @@ class Config:
   eval_size: int = 8192
 
 
-@dataclasses.dataclass(frozen=True)
-class Dataset:
-  """Python's bundled documentation text as next-character prediction windows."""
-
-  tokens: np.ndarray
-  vocab: int
-  split: int
-
-  @classmethod
-  def load(cls) -> Dataset:
-    from pydoc_data.topics import topics  # ships with CPython: no download
-
-    text = "".join(topics[key] for key in sorted(topics))
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    tokens = np.fromiter((index[c] for c in text), np.int32, len(text))
-    return cls(tokens, len(chars), int(len(tokens) * 0.9))
-
-  def windows(self, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    w = self.tokens[starts[..., None] + np.arange(CONTEXT + 1)]
-    return jnp.asarray(w[..., :CONTEXT]), jnp.asarray(w[..., CONTEXT])
-
-  def train_starts(self, config: Config) -> np.ndarray:
-    rng = np.random.default_rng(config.seed)
-    return rng.integers(0, self.split - CONTEXT - 1, size=(config.steps, config.batch))
-
-  def eval_batch(self, config: Config) -> tuple[jax.Array, jax.Array]:
-    rng = np.random.default_rng(config.seed + 1)
-    return self.windows(rng.integers(self.split, len(self.tokens) - CONTEXT - 1,
-                                     size=config.eval_size))
+def windows(data: Text, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  """`(contexts, next characters)` for the windows starting at `starts`."""
+  w = data.windows(starts, CONTEXT + 1)
+  return w[..., :CONTEXT], w[..., CONTEXT]
 
 
 def init_params(key: jax.Array, vocab: int, hidden: int) -> dict:
@@ -119,7 +94,7 @@ class RunResult:
   underflow: float = float("nan")
 
 
-def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossScale,
+def train(name: str, data: Text, config: Config, dtype, loss_scale: jls.LossScale,
           progress: bool = True) -> RunResult:
   """Trains from the same initial weights and data order as every other run."""
   tx = jls.loss_scaling(optax.adam(config.learning_rate), loss_scale)
@@ -133,7 +108,7 @@ def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossS
     params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss)
     return params, opt_state, (loss, jls.metrics(opt_state))
 
-  starts = data.train_starts(config)
+  starts = data.train_starts(config.seed, config.steps, config.batch, CONTEXT + 1)
   steps = range(config.steps)
   if progress:
     from tqdm.auto import tqdm
@@ -141,7 +116,7 @@ def train(name: str, data: Dataset, config: Config, dtype, loss_scale: jls.LossS
     steps = tqdm(steps, desc=f"{name:>47s}", unit="step", leave=True)
   history = []
   for i in steps:
-    params, opt_state, out = step(params, opt_state, *data.windows(starts[i]))
+    params, opt_state, out = step(params, opt_state, *windows(data, starts[i]))
     history.append(out)  # stays on device: no host round-trip per step
   history = jax.device_get(history)
   return RunResult(
@@ -160,11 +135,11 @@ def _eval_metrics(params: dict, x: jax.Array, y: jax.Array, dtype, scale: jax.Ar
   return {
       "loss": optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
       "accuracy": jnp.mean(jnp.argmax(logits, -1) == y),
-      "underflow": jls.gradient_stats(cotangent, dtype, scale)["underflow_fraction"],
+      "underflow": jls.diagnostics.gradient_stats(cotangent, dtype, scale)["underflow_fraction"],
   }
 
 
-def evaluate(run: RunResult, data: Dataset, config: Config, dtype) -> RunResult:
+def evaluate(run: RunResult, data: Text, config: Config, dtype) -> RunResult:
   """Held-out loss and accuracy, and the gradient signal lost to underflow.
 
   The backward pass enters the low-precision model at the logits with
@@ -172,7 +147,7 @@ def evaluate(run: RunResult, data: Dataset, config: Config, dtype) -> RunResult:
   where a large batch pushes values below float16's smallest subnormal. Measured
   exactly with `gradient_stats` on the float32 values, at the run's final scale.
   """
-  x, y = data.eval_batch(config)
+  x, y = windows(data, data.eval_starts(config.seed, config.eval_size, CONTEXT + 1))
   metrics = jax.device_get(
       _eval_metrics(run.params, x, y, jnp.dtype(dtype), jnp.float32(run.scales[-1])))
   run.eval_loss = float(metrics["loss"])
@@ -181,17 +156,17 @@ def evaluate(run: RunResult, data: Dataset, config: Config, dtype) -> RunResult:
   return run
 
 
-def fixed_scale_for(data: Dataset, config: Config) -> float:
+def fixed_scale_for(data: Text, config: Config) -> float:
   """The `recommend_loss_scale` advice for the float32 gradients at initialisation."""
   params = init_params(jax.random.key(config.seed), data.vocab, config.hidden)
-  x, y = data.windows(data.train_starts(config)[0])
-  advice = jls.recommend_loss_scale(jax.jit(jax.grad(loss_fn))(params, x, y))
+  x, y = windows(data, data.train_starts(config.seed, config.steps, config.batch, CONTEXT + 1)[0])
+  advice = jls.diagnostics.recommend_loss_scale(jax.jit(jax.grad(loss_fn))(params, x, y))
   return advice.recommended
 
 
 def run_all(config: Config, progress: bool = True) -> list[RunResult]:
   """The four runs of the demo, evaluated."""
-  data = Dataset.load()
+  data = Text.load()
   fixed = fixed_scale_for(data, config)
   plan = [
       ("float32", jnp.float32, jls.NoOpLossScale()),
@@ -245,7 +220,8 @@ def plot(runs: Sequence[RunResult], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
   defaults = Config()
-  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo [--model mlp]",
+                                   description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=defaults.steps)
   parser.add_argument("--batch", type=int, default=defaults.batch,
@@ -265,6 +241,3 @@ def main(argv: Sequence[str] | None = None) -> None:
   print(f"\nPlot written to {args.out} ({time.perf_counter() - start:.0f} s in all, "
         f"on {jax.devices()[0].platform.upper()}).")
 
-
-if __name__ == "__main__":
-  main()

@@ -1,0 +1,86 @@
+"""The step's decision: are the gradients finite once unscaled, is the loss, and what do
+the scaled gradients get multiplied by.
+
+One check of the scaled gradients (or, with clipping, the clip's own norm), agreed
+across devices with one collective before anything is decided, so every replica takes
+the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_lossscale import _finite
+from jax_lossscale import _numerics
+from jax_lossscale import _trees
+from jax_lossscale import _validation
+from jax_lossscale._loss_scale import LossScale
+
+
+class Decision(NamedTuple):
+  """What is known of one step before the inner optimizer runs.
+
+  Attributes:
+    grads_finite: bool scalar: the gradients stay finite once unscaled (and clipped).
+    loss_finite: bool scalar: the loss passed as `loss=` is finite (True without one).
+    unscaling: what the scaled gradients are multiplied by: the reciprocal of the loss
+      scale, times the clip factor when clipping.
+  """
+
+  grads_finite: jax.Array
+  loss_finite: jax.Array
+  unscaling: _numerics.Rescale
+
+  @property
+  def should_apply(self) -> jax.Array:
+    return self.grads_finite & self.loss_finite
+
+
+def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.AxisName,
+           max_norm: float | None) -> Decision:
+  """Checks the scaled gradients and the loss once, agreed across devices."""
+  unscaling = loss_scale._unscaling()  # pylint: disable=protected-access
+  if max_norm is None:
+    grads_finite = _finite.finite(grads, unscaling)
+  else:
+    grads_finite, unscaling = _clipped(grads, unscaling, max_norm)
+  flags = [grads_finite]
+  if loss is not None:
+    flags.append(_finite.finite(_validation.loss(loss)))
+  flags = _finite.agree(flags, axis_name)
+  return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling)
+
+
+def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):
+  """The clip's norm doubles as the check; the clip factor joins the unscaling.
+
+  The norm is taken of the scaled gradients (the kernel optax's clip uses) and unscaled
+  as a scalar: for a power-of-two scale, exactly the norm of the unscaled gradients.
+  """
+  norm = unscaling(global_norm(grads))
+  finite = jnp.isfinite(norm)
+  # float16 and float8 gradients can overflow their own dtype when unscaled by a scale
+  # below 1 while the float32 norm stays finite: those are checked exactly.
+  short = [x for x in _trees.float_leaves(grads) if _numerics.has_short_range(x.dtype)]
+  if short:
+    finite &= _finite.finite(short, unscaling)
+  clip = jnp.where(norm < max_norm, 1, max_norm / norm).astype(jnp.float32)
+  return finite, unscaling.times(clip)
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of the floating leaves of `tree`, in at least float32.
+
+  `optax.tree.norm` of the leaves, each in its compute dtype: for float32 leaves the very
+  computation of `optax.clip_by_global_norm`; float16 and bfloat16 leaves are squared in
+  float32 (a float16 square overflows beyond 256). Any inf or NaN makes the norm inf or
+  NaN; an empty tree has norm 0.
+  """
+  leaves = [x.astype(_numerics.compute_dtype(x.dtype)) for x in _trees.float_leaves(tree)]
+  return optax.tree.norm(leaves) if leaves else jnp.zeros([], jnp.float32)
+

@@ -1,0 +1,211 @@
+"""Finiteness: one check for every dtype, agreed by every device.
+
+`largest_magnitudes` reads each floating leaf once and gives, per dtype, the largest
+magnitude with NaN counted as +inf; `finite` compares it, rescaled as the leaves would
+be (by the reciprocal of the loss scale), with the first magnitude that overflows the dtype. So
+whether gradients stay finite once unscaled is known without unscaling them. `agree`
+makes every device of a `shard_map`/`pmap` see the same answer with one collective.
+Why the reduction looks as it does: benchmarks/RESULTS.md, "A NaN that a max-reduction
+loses" and "One decision, compiled once".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale import _numerics
+from jax_lossscale import _trees
+
+AxisName = Hashable | Sequence[Hashable] | None
+
+# Leaves below _SMALL elements are checked together, from concatenations of at most
+# _CHUNK elements and _OPERANDS leaves (compile time: benchmarks/RESULTS.md). Leaves of
+# at least _SPLIT elements are reduced in _SPLIT_ROWS rows, which XLA:CPU runs in
+# parallel.
+_SMALL = 1 << 12
+_CHUNK = 1 << 20
+_OPERANDS = 64
+_SPLIT = 1 << 20
+_SPLIT_ROWS = 4
+_IDENTITY = _numerics.Rescale()
+
+
+def _max_min(a, b):
+  return jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])
+
+
+def _reduce_max_min(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """`(max x, min x)` over `axes` of a real array without NaN, one variadic reduction."""
+  inf = jnp.array(jnp.inf, x.dtype)
+  return jax.lax.reduce((x, x), (-inf, inf), _max_min, axes)
+
+
+def _partials(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Vectors of partial maxima and minima of `x` (NaN as +inf), real, >= float32."""
+  if jnp.iscomplexobj(x):
+    parts = [_partials(x.real), _partials(x.imag)]
+    return tuple(jnp.concatenate(p) for p in zip(*parts, strict=True))
+  x = x.astype(_numerics.compute_dtype(x.dtype))
+  # XLA:CPU drops NaN from large float32 max-reductions: NaN becomes +inf in the pass.
+  x = jnp.where(jnp.isnan(x), jnp.array(jnp.inf, x.dtype), x)
+  if x.ndim == 0:
+    return x[None], x[None]
+  if x.size < _SPLIT:
+    largest, smallest = _reduce_max_min(x, tuple(range(x.ndim)))
+    return largest[None], smallest[None]
+  flat = x.reshape(-1)
+  rows, rest = divmod(flat.size, _SPLIT_ROWS)
+  parts = [_reduce_max_min(flat[:rows * _SPLIT_ROWS].reshape(_SPLIT_ROWS, rows), (1,))]
+  if rest:
+    parts.append(tuple(p[None] for p in _reduce_max_min(flat[rows * _SPLIT_ROWS:], (0,))))
+  return tuple(jnp.concatenate(p) for p in zip(*parts, strict=True))
+
+
+def _combine(largest: jax.Array, smallest: jax.Array) -> jax.Array:
+  """The largest magnitude from vectors of partial maxima and minima, in one reduction."""
+  if largest.shape[0] == 1:
+    return jax.lax.max(largest[0], -smallest[0])
+  inf = jnp.array(jnp.inf, largest.dtype)
+  largest, smallest = jax.lax.reduce((largest, smallest), (-inf, inf), _max_min, (0,))
+  return jax.lax.max(largest, -smallest)
+
+
+def largest_magnitude(x: jax.Array) -> jax.Array:
+  """`max |x|` over one array, read once, with NaN counted as +inf.
+
+  Finite exactly when every element is. Real, in `compute_dtype(x.dtype)` (a complex
+  array gives the largest magnitude of its components, so no finite array overflows).
+  """
+  return _combine(*_partials(jnp.asarray(x)))
+
+
+def _explicitly_sharded(x: jax.Array) -> bool:
+  """Whether `x` is sharded over an explicit mesh axis: then it is reduced on its own
+  (concatenating differently sharded arrays is refused there, and would move data)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  return spec is not None and any(axis is not None for axis in spec)
+
+
+def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
+  """Per dtype, the reduction inputs: each large leaf alone, small ones in chunks."""
+  groups: dict[Any, list[list[jax.Array]]] = {}
+  chunks: dict[Any, list[jax.Array]] = {}
+  for x in leaves:
+    if not x.size:
+      continue
+    per_dtype = groups.setdefault(x.dtype, [])
+    if x.size >= _SMALL or _explicitly_sharded(x):
+      per_dtype.append([x])
+      continue
+    chunk = chunks.get(x.dtype)
+    if chunk is None or len(chunk) == _OPERANDS or sum(y.size for y in chunk) + x.size > _CHUNK:
+      chunk = chunks[x.dtype] = []
+      per_dtype.append(chunk)
+    chunk.append(x)
+  return groups
+
+
+@jax.jit
+def _largest_magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
+  largest = []
+  for group in _groups(leaves).values():
+    partials = [_partials(g[0] if len(g) == 1 else jnp.concatenate([y.ravel() for y in g]))
+                for g in group]
+    largest.append(_combine(*(jnp.concatenate(p) for p in zip(*partials, strict=True))))
+  return largest
+
+
+def largest_magnitudes(tree: Any) -> list[tuple[jnp.dtype, jax.Array]]:
+  """`(dtype, largest magnitude)` for each floating dtype among the leaves of `tree`.
+
+  One real scalar per dtype however many leaves, NaN counted as +inf. Compiled once per
+  tree shape, also when called eagerly. Empty leaves are ignored.
+  """
+  leaves = _trees.float_leaves(tree)
+  dtypes = list(_groups(leaves))
+  return list(zip(dtypes, _largest_magnitudes(leaves), strict=True)) if dtypes else []
+
+
+def finite_after(largest: list[tuple[jnp.dtype, jax.Array]],
+                 rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
+  """Whether every leaf behind `largest` stays finite once rescaled.
+
+  Rescaling a largest magnitude by a positive value and casting it back is monotone, so
+  the result is compared with the smallest magnitude that overflows the dtype (no cast
+  in the program: XLA:GPU may drop a round trip through float16).
+  """
+  flags = []
+  for dtype, m in largest:
+    product = rescale(m)  # m is already in the compute dtype
+    limit = _numerics.first_magnitude(product.dtype, jnp.finfo(dtype).dtype, "nonfinite")
+    flags.append(jnp.isfinite(product) if limit is None else product < limit)
+  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def finite(tree: Any, rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
+  """Whether every floating leaf of `tree`, rescaled, is finite."""
+  return finite_after(largest_magnitudes(tree), rescale)
+
+
+def manual_axes(value: Any) -> tuple[Hashable, ...]:
+  """The manual mesh axes (`shard_map`, `pmap`) in scope where `value` was computed."""
+  mesh = getattr(jax.typeof(value).sharding, "mesh", None)
+  if mesh is None:
+    return ()
+  manual = jax.sharding.AxisType.Manual
+  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
+
+
+def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
+  """Each boolean flag, true only where it holds on every device.
+
+  The devices are those of `axis_name` if given, else of every manual mesh axis in scope
+  (inside `shard_map` or `pmap`): a replicated state then stays replicated, whatever
+  varies between devices. One collective for all the flags (a `psum` of an int32
+  vector); outside `shard_map`/`pmap` the flags are returned unchanged.
+  """
+  if not flags:
+    return []
+  axes = axis_tuple(axis_name) or manual_axes(flags[0])
+  if not axes:
+    return list(flags)
+  failures = jnp.stack([jnp.logical_not(f) for f in flags]).astype(jnp.int32)
+  try:
+    failures = jax.lax.psum(failures, axes)
+  except NameError as error:
+    raise ValueError(
+        f"`axis_name` must name axes of the shard_map or pmap the step runs in, got "
+        f"{axis_name!r} ({error}). Under jit with sharded arrays, leave it out: the check "
+        "is already global.") from None
+  return [failures[i] == 0 for i in range(len(flags))]
+
+
+def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
+  """Whether every floating value in `tree` is finite (no inf, no NaN).
+
+  Works for every floating dtype, float8 types without an inf included (only NaN is
+  non-finite there), and for Python floats. `None`, non-floating and non-array leaves
+  (ints, bools, strings, functions) are ignored; an empty tree counts as finite.
+  Compiled once per tree shape, also when called outside `jit`.
+
+  Args:
+    tree: any pytree, typically gradients.
+    axis_name: inside `shard_map` or `pmap`, the mapped axis name (or names) across
+      which the answer is agreed; by default every manual mesh axis in scope, so every
+      device gets the same answer (one collective on one scalar).
+
+  Returns:
+    A boolean scalar array.
+  """
+  return agree([finite(tree)], axis_name)[0]

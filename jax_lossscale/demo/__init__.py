@@ -1,0 +1,22 @@
+"""Demos of float16 training with and without loss scaling: `python -m jax_lossscale.demo`.
+
+`--model mlp` (the default) trains a character-level MLP language model four times (see
+`jax_lossscale.demo.mlp`); the other options are that demo's. Needs the `demo` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+MODELS = ("mlp",)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument("--model", choices=MODELS, default="mlp")
+  args, rest = parser.parse_known_args(argv)
+  if args.model == "mlp":
+    from jax_lossscale.demo import mlp
+
+    mlp.main(rest)

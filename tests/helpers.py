@@ -1,0 +1,57 @@
+"""Helpers shared by the test files."""
+
+import contextlib
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jax_lossscale import _emit
+
+# Applied steps equal an unscaled run to float rounding: the compiler may contract the
+# unscaling into the optimizer's multiply-adds (benchmarks/RESULTS.md). Measured leaf by
+# leaf, relative to the leaf's largest magnitude: an element of Adam's first moment that
+# nearly cancels (1e-4 among entries of 0.3) carries the rounding of its inputs.
+RTOL = 1e-6
+
+
+@contextlib.contextmanager
+def force_branch(name: str):
+  """Traces the platform-dependent part of a step with branch `name` ("cpu" or
+  "default") whatever the platform, so the CPU suite compiles and runs the GPU/TPU one.
+
+  Jitted functions must be traced inside the context.
+  """
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_emit, "on_platform",
+                  lambda *, cpu, default, static: {"cpu": cpu, "default": default}[name]())
+    yield
+
+
+def assert_trees_close(actual, expected, rtol=RTOL):
+  """Each leaf within `rtol` of the other, relative to the leaf's largest magnitude."""
+  chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
+  paths_and_leaves = jax.tree_util.tree_leaves_with_path(actual)
+  for (path, a), b in zip(paths_and_leaves, jax.tree.leaves(expected), strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b), initial=0.0)
+    error = np.max(np.abs(a - b), initial=0.0)
+    assert error <= rtol * scale + 1e-30, (jax.tree_util.keystr(path), error, scale)
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA compilations inside the block (`jax.monitoring`'s compile events)."""
+  count = []
+
+  def listen(event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      count.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield count
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)

@@ -1,0 +1,155 @@
+"""Specification of `jax_lossscale.flax`: the linen `TrainState` and flax serialization."""
+
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen
+from flax import serialization
+from flax.training import train_state
+
+import jax_lossscale as jls
+from jax_lossscale.flax import TrainState
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), jnp.float32)
+
+
+@jax.custom_vjp
+def overflow_in_backward(x, factor):
+  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
+  return x
+
+
+overflow_in_backward.defvjp(lambda x, factor: (x, factor),
+                            lambda factor, g: (g * factor, jnp.zeros_like(factor)))
+
+
+class Model(linen.Module):
+  dot_general_cls: type | None = None
+
+  @linen.compact
+  def __call__(self, x):
+    kw = {} if self.dot_general_cls is None else {"dot_general_cls": self.dot_general_cls}
+    return linen.Dense(2, **kw)(linen.relu(linen.Dense(8)(x)))
+
+
+def make_state(state_class=TrainState, tx=None, model=None, params_only=True):
+  model = model or Model()
+  variables = model.init(jax.random.key(0), X)
+  params = variables["params"] if params_only else variables
+  return state_class.create(apply_fn=model.apply, params=params,
+                            tx=tx or jls.loss_scaling(optax.adam(1e-2)))
+
+
+def loss_fn(params, apply_fn, x, y, overflow=1.0):
+  return overflow_in_backward(jnp.mean((apply_fn({"params": params}, x) - y) ** 2), overflow)
+
+
+@jax.jit
+def step(state, x, y):
+  loss, grads = jls.scaled_value_and_grad(loss_fn)(state.opt_state, state.params,
+                                                   state.apply_fn, x, y)
+  return state.apply_gradients(grads=grads, loss=loss), loss
+
+
+def test_train_state_takes_the_loss_and_fuses_the_step():
+  tx = jls.loss_scaling(optax.MultiSteps(optax.adam(1e-2), 2), clip_by_global_norm=1.0)
+  state = make_state(tx=tx)
+  losses = []
+  for _ in range(20):
+    state, loss = step(state, X, Y)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0] and int(state.step) == 20
+  # A NaN loss skips the step: params unchanged, the loss scale left alone.
+  before = state.params
+  state, _ = step(state, X * jnp.nan, Y)
+  chex.assert_trees_all_equal(state.params, before)
+  assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
+
+
+def test_train_state_equals_flax_own_to_float_rounding():
+  tx = jls.loss_scaling(optax.adam(1e-2))
+  ours, theirs = make_state(TrainState, tx), make_state(train_state.TrainState, tx)
+
+  @jax.jit
+  def their_step(state, x, y):
+    _, grads = jls.scaled_value_and_grad(loss_fn)(state.opt_state, state.params,
+                                                  state.apply_fn, x, y)
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(5):
+    ours, _ = step(ours, X, Y)
+    theirs = their_step(theirs, X, Y)
+  chex.assert_trees_all_close(ours.params, theirs.params, rtol=1e-6, atol=1e-7)
+
+
+def fp8_step(state, overflow):
+  def fp8_loss(variables):
+    out = state.apply_fn(variables, X)
+    return overflow_in_backward(jnp.mean((out - Y) ** 2), overflow)
+
+  loss, grads = jls.scaled_value_and_grad(fp8_loss)(state.opt_state, state.params)
+  return state.apply_gradients(grads=grads, loss=loss)
+
+
+def test_fp8_statistics_are_kept_on_a_skipped_step_and_set_on_an_applied_one():
+  # flax's fp8 layers keep scales and amax histories in "_overwrite_with_gradient"; an
+  # overflowed step used to write its inf into a 1024-long history.
+  state = make_state(model=Model(linen.Fp8DirectDotGeneralOp), params_only=False)
+  state = jax.jit(fp8_step)(state, 1.0)
+  fp8 = state.params["_overwrite_with_gradient"]
+  skipped = jax.jit(fp8_step)(state, jnp.inf)
+  assert int(jls.metrics(skipped.opt_state)["skipped_steps"]) == 1
+  chex.assert_trees_all_equal(skipped.params, state.params)
+  applied = jax.jit(fp8_step)(skipped, 1.0)
+  assert bool(jls.all_finite(applied.params))
+  before, after = (jax.tree_util.tree_leaves_with_path(tree) for tree in (
+      fp8, applied.params["_overwrite_with_gradient"]))
+  history = [i for i, (path, _) in enumerate(after) if "output_grad_amax" in str(path)]
+  assert len(history) == 1 and not np.array_equal(after[history[0]][1], before[history[0]][1])
+
+
+def test_replaced_fields_follow_the_step_decision():
+  # BatchNorm statistics passed to apply_gradients are kept on a skipped step.
+  class Stats(TrainState):
+    batch_stats: dict
+
+  state = Stats.create(apply_fn=None, params={"w": jnp.ones(2)}, batch_stats={"mean": jnp.ones(2)},
+                       tx=jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0)))
+  new_stats = {"mean": jnp.full(2, jnp.nan)}
+  skipped = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}, batch_stats=new_stats)
+  chex.assert_trees_all_equal(skipped.batch_stats, state.batch_stats)
+  applied = state.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats={"mean": jnp.zeros(2)})
+  chex.assert_trees_all_equal(applied.batch_stats, {"mean": jnp.zeros(2)})
+
+
+def test_loss_scaling_states_round_trip_through_flax_serialization():
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(64.0, hysteresis=2))
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  for grads in ({"w": jnp.ones(3)}, {"w": jnp.full(3, jnp.inf)}):
+    _, state = tx.update(grads, state, params)
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  chex.assert_trees_all_equal(restored, state)
+  assert restored.loss_scale.get_config() == state.loss_scale.get_config()
+
+
+@pytest.mark.parametrize("manager", [jls.FixedLossScaleManager(4.0),
+                                     jls.ExponentialUpdateLossScaleManager(8, 3)],
+                         ids=lambda m: type(m).__name__)
+def test_managers_round_trip_through_flax_serialization(manager):
+  updated = manager.update_loss_scale(False).update_loss_scale(False)
+  restored = serialization.from_bytes(manager, serialization.to_bytes(updated))
+  assert restored == updated
+
+
+def test_importing_the_package_imports_no_flax():
+  code = "import sys, jax_lossscale; assert 'flax' not in sys.modules, 'flax imported'"
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
