@@ -10,6 +10,7 @@ from jax_lossscale._loss_scale import NoOpLossScale
 from jax_lossscale._managers import ExponentialUpdateLossScaleManager
 from jax_lossscale._managers import FixedLossScaleManager
 from jax_lossscale._managers import LossScaleManager
+from jax_lossscale._measured import MeasuredLossScale
 from jax_lossscale._monitoring import LossScaleStuckError
 from jax_lossscale._monitoring import if_applied
 from jax_lossscale._monitoring import metrics
@@ -35,6 +36,7 @@ __all__ = (
     "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
+    "MeasuredLossScale",
     "NoOpLossScale",
     "Policy",
     "all_finite",

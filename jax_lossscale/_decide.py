@@ -30,11 +30,14 @@ class Decision(NamedTuple):
     loss_finite: bool scalar: the loss passed as `loss=` is finite (True without one).
     unscaling: what the scaled gradients are multiplied by: the reciprocal of the loss
       scale, times the clip factor when clipping.
+    measured: float32 scalar, the largest magnitude of the scaled gradients and of the
+      probed activation gradients, for a loss scale that measures; else None.
   """
 
   grads_finite: jax.Array
   loss_finite: jax.Array
   unscaling: _numerics.Rescale
+  measured: jax.Array | None = None
 
   @property
   def should_apply(self) -> jax.Array:
@@ -42,18 +45,34 @@ class Decision(NamedTuple):
 
 
 def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.AxisName,
-           max_norm: float | None) -> Decision:
+           max_norm: float | None, probes: Any = None) -> Decision:
   """Checks the scaled gradients and the loss once, agreed across devices."""
   unscaling = loss_scale._unscaling()  # pylint: disable=protected-access
+  largest = _finite.largest_magnitudes(grads)
   if max_norm is None:
-    grads_finite = _finite.finite(grads, unscaling)
+    grads_finite = _finite.finite_after(largest, unscaling)
   else:
     grads_finite, unscaling = _clipped(grads, unscaling, max_norm)
+  measured = None
+  if loss_scale._measures:  # pylint: disable=protected-access
+    measured = _finite.agree_max(_measured(largest, probes), axis_name)
   flags = [grads_finite]
   if loss is not None:
     flags.append(_finite.finite(_validation.loss(loss)))
   flags = _finite.agree(flags, axis_name)
-  return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling)
+  return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling,
+                  measured)
+
+
+def _measured(largest: list, probes: Any) -> jax.Array:
+  """The largest gradient magnitude seen: of the parameter gradients, and of every probed
+  activation gradient (its binade's top where a probe was hit several times)."""
+  values = [m.astype(jnp.float32) for _, m in largest]
+  for name in probes or ():
+    summary = probes[name]
+    top = jnp.where(summary.hits == 1, summary.backward.max_abs, 2 * summary.backward.max_abs)
+    values.append(jnp.max(top))
+  return jnp.max(jnp.stack(values)) if values else jnp.zeros([], jnp.float32)
 
 
 def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):

@@ -30,7 +30,7 @@ AxisName = Hashable | Sequence[Hashable] | None
 _SMALL = 1 << 12
 _CHUNK = 1 << 20
 _OPERANDS = 64
-_SPLIT = 1 << 20
+_SPLIT = 1 << 18
 _SPLIT_ROWS = 4
 _IDENTITY = _numerics.Rescale()
 
@@ -189,6 +189,12 @@ def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Ar
         f"{axis_name!r} ({error}). Under jit with sharded arrays, leave it out: the check "
         "is already global.") from None
   return [failures[i] == 0 for i in range(len(flags))]
+
+
+def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:
+  """`value`'s maximum over the devices `agree` agrees over (one `pmax`)."""
+  axes = axis_tuple(axis_name) or manual_axes(value)
+  return jax.lax.pmax(value, axes) if axes else value
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:

@@ -90,6 +90,7 @@ class LossScale(abc.ABC):
 
   _state_names: ClassVar[tuple[str, ...]] = ()
   _static_names: ClassVar[tuple[str, ...]] = ()
+  _measures: ClassVar[bool] = False  # whether `_next` uses the measured maximum
 
   @abc.abstractmethod
   def __call__(self) -> jax.Array:
@@ -143,8 +144,9 @@ class LossScale(abc.ABC):
     return _numerics.Rescale.reciprocal(self())
 
   @abc.abstractmethod
-  def _next(self: _T, finite: jax.Array) -> _T:
-    """The loss scale after a step whose gradients were `finite` (a boolean scalar)."""
+  def _next(self: _T, finite: jax.Array, measured: Any = None) -> _T:
+    """The loss scale after a step whose gradients were `finite` (a boolean scalar);
+    `measured` is the largest gradient magnitude the step saw, if it was measured."""
 
   def get_config(self) -> dict[str, Any]:
     """The constructor arguments as a JSON-serialisable dict (the initial scale: the
@@ -194,7 +196,7 @@ class NoOpLossScale(LossScale):
   def _unscaling(self) -> _numerics.Rescale:
     return _numerics.Rescale()
 
-  def _next(self, finite: jax.Array) -> NoOpLossScale:
+  def _next(self, finite: jax.Array, measured: Any = None) -> NoOpLossScale:
     return self
 
 
@@ -224,7 +226,7 @@ class FixedLossScale(LossScale):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
 
-  def _next(self: _T, finite: jax.Array) -> _T:
+  def _next(self: _T, finite: jax.Array, measured: Any = None) -> _T:
     return self
 
 
@@ -311,7 +313,7 @@ class DynamicLossScale(LossScale):
       return _numerics.times_double(scale, factor)
     return _numerics.flush_subnormals(scale * np.float32(factor))
 
-  def _next(self, finite: jax.Array) -> DynamicLossScale:
+  def _next(self, finite: jax.Array, measured: Any = None) -> DynamicLossScale:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     left = jnp.asarray(self.hysteresis_left, jnp.int32)

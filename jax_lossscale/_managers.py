@@ -127,7 +127,7 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def _next(self, finite: jax.Array) -> ExponentialUpdateLossScaleManager:
+  def _next(self, finite: jax.Array, measured: Any = None) -> ExponentialUpdateLossScaleManager:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)

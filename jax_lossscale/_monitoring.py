@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import optax
 
+from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
@@ -125,7 +126,7 @@ _DIVERGES = ("the unscaled gradients are inf/NaN even at this scale, so the mode
 _OVERFLOWS = "the gradients keep overflowing"
 
 
-def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
+def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any = None) -> None:
   """Fails fast when every recent step was skipped, saying why.
 
   A host-side check: it reads a few scalars from the device, so call it at your logging
@@ -136,6 +137,9 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
   Args:
     opt_state: what `metrics` takes.
     max_consecutive_skips: how many skipped steps in a row count as stuck.
+    probes: optional, the last step's measurements (`scaled_value_and_grad(...,
+      probes=True)`): the message then names the layer where the overflow began, or the
+      first layer whose forward output was not finite.
 
   Raises:
     LossScaleStuckError: with the scale, the floor and the likely cause.
@@ -163,5 +167,17 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100) -> None:
       f"Training is stuck: the last {consecutive} steps were all skipped "
       f"(max_consecutive_skips={max_consecutive_skips}). Current loss scale {scale:g}"
       + (f", already at its minimum {floor:g}" if at_floor else "")
-      + f". Likely cause: {cause}. To find where: jax_lossscale.diagnostics."
-      "nonfinite_leaf_paths(jax_lossscale.diagnostics.nonfinite_leaves(grads)).")
+      + f". Likely cause: {cause}. " + _where(probes))
+
+
+def _where(probes: Any) -> str:
+  if probes is None:
+    return ("To find where: scaled_value_and_grad(..., probes=True), or "
+            "jax_lossscale.diagnostics.nonfinite_leaf_paths(nonfinite_leaves(grads)).")
+  forward = _probes.forward_nonfinite_origin(probes)
+  if forward is not None:
+    return f"Where: the forward output of {forward!r} was the first that was not finite."
+  backward = _probes.backward_overflow_origin(probes)
+  if backward is not None:
+    return f"Where: the overflow began in the backward pass of {backward!r}."
+  return "Where: every probed activation gradient was finite; the parameter gradients were not."

@@ -112,9 +112,9 @@ def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
 class Policy:
   """Which dtype parameters, computation and outputs use (jmp's `Policy`).
 
-  Each dtype is read by `as_dtype`: a real floating dtype or a name of the policy
-  grammar, so `Policy(jnp.float32, "f16", jnp.float32)` computes in float16, as
-  `get_policy("p=f32,c=f16,o=f32")` does. Stored as `jnp.dtype`s.
+  Each dtype may be a real floating dtype or a name of the policy grammar (read by
+  `as_dtype`), so `Policy(jnp.float32, "f16", jnp.float32)` computes in float16, as
+  `get_policy("p=f32,c=f16,o=f32")` does. They are stored as `jnp.dtype` values.
 
   Args:
     param_dtype: the dtype parameters are stored (and optimized) in.

@@ -201,6 +201,8 @@ class _Step:
     params: the parameters, if `inner` needs them (a whole equinox module is fine).
     loss: optional, the unscaled loss of this step (any shape): a non-finite loss skips
       the step without changing the loss scale (`nonfinite_loss_steps`).
+    probes: optional, what the backward pass measured (`scaled_value_and_grad(...,
+      probes=True)`), for a `MeasuredLossScale` to set the next scale from.
     **extra_args: passed on to the inner transformation.
 
   Returns:
@@ -228,17 +230,18 @@ class _Step:
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
         counts=jnp.zeros(len(COUNTS), jnp.int32), last_applied=jnp.ones([], jnp.bool_))
 
-  def __call__(self, grads, state, params=None, *, loss=None, **extra_args):
-    return self._step(grads, state, params, loss, extra_args, apply=False)
+  def __call__(self, grads, state, params=None, *, loss=None, probes=None, **extra_args):
+    return self._step(grads, state, params, loss, probes, extra_args, apply=False)
 
-  def apply(self, grads, state, params, *, loss=None, **extra_args):
+  def apply(self, grads, state, params, *, loss=None, probes=None, **extra_args):
     """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
-    return self._step(grads, state, params, loss, extra_args, apply=True)
+    return self._step(grads, state, params, loss, probes, extra_args, apply=True)
 
-  def _step(self, grads, state, params, loss, extra_args, apply):
+  def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
-    decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm)
+    decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
+                              probes)
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
@@ -318,8 +321,8 @@ def next_state(state: LossScalingState, decision: _decide.Decision, inner_state:
   # An overflow moves the scale at once; a finite step counts when the optimizer steps.
   # A non-finite loss, or non-finite updates from finite gradients, are not the scale's.
   moved = (~decision.grads_finite & decision.loss_finite) | (applied & stepped)
-  loss_scale = _trees.select_tree(
-      moved, state.loss_scale._next(decision.grads_finite), state.loss_scale)  # pylint: disable=protected-access
+  candidate = state.loss_scale._next(decision.grads_finite, decision.measured)  # pylint: disable=protected-access
+  loss_scale = _trees.select_tree(moved, candidate, state.loss_scale)
   skipped = ~applied
   increments = jnp.stack([skipped, skipped, loss_bad, updates_bad, loss_bad, updates_bad])
   counts = jnp.asarray(state.counts, jnp.int32)

@@ -183,12 +183,12 @@ def negative_zeros_like(tree: Any, like: Any = None) -> Any:
       zeros = -jnp.zeros_like(template, dtype=x.dtype)
     else:
       zeros = -jnp.zeros(x.shape, x.dtype)
-    return _varying_like(zeros, x)
+    return varying_like(zeros, x)
 
   return jax.tree.map(negative_zeros, tree, like, is_leaf=lambda x: x is None)
 
 
-def _varying_like(x: jax.Array, target: Any) -> jax.Array:
+def varying_like(x: jax.Array, target: Any) -> jax.Array:
   """`x`, made to vary over the manual (`shard_map`) axes that `target` varies over."""
   aval = target if isinstance(target, jax.ShapeDtypeStruct) else jax.typeof(target)
   want = varying_axes(aval)

@@ -11,6 +11,8 @@ import jax
 
 from jax_lossscale import _finite
 from jax_lossscale import _monitoring
+from jax_lossscale import _probe_frameworks
+from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale._loss_scale import LossScale
 
@@ -29,7 +31,8 @@ def scaled_value_and_grad(
     *,
     axis_name: _finite.AxisName = None,
     value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
-) -> Callable[..., tuple[Any, Any]]:
+    probes: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
   """Like `jax.value_and_grad`, for a loss that must be multiplied by the loss scale.
 
   The returned function takes the **optimizer state** first, then `fun`'s own
@@ -56,9 +59,17 @@ def scaled_value_and_grad(
       `equinox.filter_value_and_grad` (modules with non-array fields; it takes no
       `argnums` and differentiates the first argument). It is called as
       `value_and_grad(f, has_aux=True)`, plus `argnums=argnums` when `argnums` is not 0.
+    probes: also measure the backward pass layer by layer: every module's output in
+      flax linen, flax NNX (the model given first) and equinox (the model given first)
+      is probed automatically, and `jax_lossscale.diagnostics.probe(x, name)` marks any
+      other point. Each probe measures its activation and, in the backward pass, its
+      gradient (largest magnitude, finite or not, zero and float16-subnormal
+      fractions), with one reduction and no host callback.
 
   Returns:
-    A function `(opt_state, *args, **kwargs) -> (value, grads)`.
+    A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
+    `(value, grads, probes)` with `probes=True`: a `diagnostics.Probes` for
+    `diagnostics.table`, `tx.update(..., probes=probes)` and `raise_if_stuck`.
 
   Raises:
     TypeError: (when called) if it is given a `LossScale` instead of the optimizer
@@ -66,6 +77,7 @@ def scaled_value_and_grad(
       moves), or if `value_and_grad` does not return `(value, grads)`.
   """
   name = getattr(fun, "__name__", type(fun).__name__)
+  measured_fun = _probe_frameworks.placed(fun) if probes else fun
   extra = {} if argnums == 0 and value_and_grad is not jax.value_and_grad \
       else {"argnums": argnums}
 
@@ -79,16 +91,25 @@ def scaled_value_and_grad(
     loss_scale = _monitoring.find_state(opt_state).loss_scale
 
     def scaled(*a, **k):
-      out = fun(*a, **k)
+      out = measured_fun(*a, **k)
       loss, aux = out if has_aux else (out, None)
       return loss_scale.scale(loss), _Value(loss, aux)
 
-    result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
-    value, grads = _value_and_grads(result, value_and_grad)
+    if probes:
+      *result, measurements = _probes.value_and_grad_with_probes(
+          value_and_grad, scaled, argnums, has_aux=True)(*args, **kwargs)
+    else:
+      result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
+    value, grads = _value_and_grads(tuple(result), value_and_grad)
     if axis_name is not None:  # the loss and the gradients, not the aux
       value = value._replace(loss=_mean(value.loss, axis_name))
       grads = _mean(grads, axis_name)
-    return ((value.loss, value.aux) if has_aux else value.loss), grads
+    value = (value.loss, value.aux) if has_aux else value.loss
+    if not probes:
+      return value, grads
+    if axis_name is not None:
+      measurements = _probes.all_reduce_probes(measurements, axis_name)
+    return value, grads, measurements
 
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")

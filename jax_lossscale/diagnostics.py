@@ -1,4 +1,4 @@
-"""Diagnostics: why a step was skipped, and what scale a gradient distribution needs.
+"""Diagnostics: why a step was skipped, where in the backward pass, and what scale fits.
 
 Three failure modes look alike from the outside ("loss scale already at minimum"):
 
@@ -19,15 +19,27 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_lossscale import _finite
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale._probes import LOSS
+from jax_lossscale._probes import Probes
+from jax_lossscale._probes import ProbeSummary
+from jax_lossscale._probes import TensorSummary
+from jax_lossscale._probes import backward_overflow_origin
+from jax_lossscale._probes import forward_nonfinite_origin
+from jax_lossscale._probes import headroom
+from jax_lossscale._probes import probe
+from jax_lossscale._probes import summarize
 
-__all__ = ("LossScaleAdvice", "gradient_stats", "nonfinite_leaf_paths", "nonfinite_leaves",
-           "recommend_loss_scale")
+__all__ = ("LOSS", "LossScaleAdvice", "ProbeSummary", "Probes", "TensorSummary",
+           "backward_overflow_origin", "forward_nonfinite_origin", "gradient_stats", "headroom",
+           "nonfinite_leaf_paths", "nonfinite_leaves", "probe", "recommend_loss_scale",
+           "summarize", "table")
 
 
 def nonfinite_leaves(tree: Any) -> Any:
@@ -227,3 +239,23 @@ def _log2_ratio(a: float, b: float, rounding) -> int:
 def _power_of_two(exponent: int) -> float:
   """2**exponent, kept a normal, finite float32 (every advice is one)."""
   return math.ldexp(1.0, min(max(exponent, -126), 127))
+
+
+def table(probes: Probes) -> str:
+  """The probes' measurements, one line per layer in forward order, as text.
+
+  Columns: the largest activation gradient (as the backward pass saw it, at the scale
+  it ran with), the headroom (doublings of the scale before float16 overflows), the
+  fractions of the gradient that are float16 subnormals and zeros, and the largest
+  activation (forward).
+  """
+  header = (f"{'layer':<28s} {'max |grad|':>11s} {'headroom':>8s} {'subnormal':>9s} "
+            f"{'zero':>6s} {'max |act|':>10s}")
+  lines = [header, "-" * len(header)]
+  for name, s in summarize(probes).items():
+    g, f = s.backward, s.forward
+    subnormal, zero = (100 * float(np.mean(x)) for x in (g.subnormal_fraction, g.zero_fraction))
+    lines.append(f"{name[:28]:<28s} {float(np.max(g.max_abs)):11.3g} "
+                 f"{float(np.min(s.headroom)):8.0f} {subnormal:8.1f}% {zero:5.1f}% "
+                 f"{float(np.max(f.max_abs)):10.3g}")
+  return "\n".join(lines)

@@ -167,3 +167,18 @@ def test_raise_if_stuck_accepts_numpy_and_jax_integers(threshold):
   tx = jls.loss_scaling(optax.sgd(0.1))
   with pytest.raises(jls.LossScaleStuckError):
     jls.raise_if_stuck(steps(tx, [(BAD, None)] * 3), max_consecutive_skips=threshold)
+
+
+def test_raise_if_stuck_names_the_layer_where_the_overflow_began():
+  from test_value_and_grad import layers_loss
+
+  params = [jnp.eye(3) * 0.5 for _ in range(4)]
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
+  state = tx.init(params)
+  grad_fn = jax.jit(jls.scaled_value_and_grad(layers_loss, probes=True))
+  for _ in range(3):
+    loss, grads, probes = grad_fn(state, params, jnp.ones((2, 3)))
+    params, state = tx.apply_gradients(grads, state, params, loss=loss, probes=probes)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match="the overflow began in the backward pass of 'layer_2'"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3, probes=probes)

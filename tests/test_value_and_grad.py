@@ -115,3 +115,51 @@ def test_axis_name_averages_the_loss_and_the_gradients_across_replicas():
                           jax.vmap(lambda x: jax.grad(loss_fn)(PARAMS, x))(x))
   np.testing.assert_allclose(loss, jnp.full(n, expected_loss), rtol=1e-6)
   chex.assert_trees_all_close(jax.tree.map(lambda g: g[0], grads), expected, rtol=1e-6)
+
+
+@jax.custom_vjp
+def overflow_in_backward(x):
+  return x
+
+
+overflow_in_backward.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.inf,))
+
+
+def layers_loss(params, x):
+  for i, w in enumerate(params):
+    h = jnp.tanh(x @ w)
+    x = jls.diagnostics.probe(overflow_in_backward(h) if i == 2 else h, f"layer_{i}")
+  return jnp.mean(x**2)
+
+
+def test_probes_measure_each_marked_point_and_name_the_layer_an_overflow_began_in():
+  params = [jnp.eye(3) * 0.5 for _ in range(4)]
+  state = state_with_scale(8.0, params)
+  loss, grads, probes = jax.jit(jls.scaled_value_and_grad(layers_loss, probes=True))(
+      state, params, jnp.ones((2, 3)))
+  assert list(probes) == [f"layer_{i}" for i in range(4)]
+  assert float(loss) == float(layers_loss(params, jnp.ones((2, 3))))
+  assert jls.diagnostics.backward_overflow_origin(probes) == "layer_2"
+  assert "layer_3" in jls.diagnostics.table(probes)
+
+
+def test_probes_are_placed_on_every_module_of_linen_nnx_and_equinox_models():
+  import equinox as eqx
+  from flax import linen
+  from flax import nnx
+
+  x = jnp.ones((4, 3))
+  linen_model = linen.Sequential([linen.Dense(5), linen.Dense(2)])
+  linen_params = linen_model.init(jax.random.key(0), x)
+  nnx_model = nnx.Sequential(nnx.Linear(3, 5, rngs=nnx.Rngs(0)), nnx.Linear(5, 2, rngs=nnx.Rngs(1)))
+  eqx_model = eqx.nn.MLP(3, 2, width_size=5, depth=1, key=jax.random.key(0))
+  cases = [
+      (lambda p: jnp.mean(linen_model.apply(p, x) ** 2), jax.value_and_grad, linen_params),
+      (lambda m: jnp.mean(m(x) ** 2), nnx.value_and_grad, nnx_model),
+      (lambda m: jnp.mean(jax.vmap(m)(x) ** 2), eqx.filter_value_and_grad, eqx_model)]
+  for loss_fn, value_and_grad, model in cases:
+    state = jls.loss_scaling(optax.sgd(0.1)).init(eqx.filter(model, eqx.is_array)
+                                                  if isinstance(model, eqx.Module) else {})
+    grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=value_and_grad, probes=True)
+    _, _, probes = grad_fn(state, model)
+    assert len(probes) >= 2, (value_and_grad, list(probes))

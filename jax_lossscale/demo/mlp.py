@@ -69,10 +69,12 @@ def init_params(key: jax.Array, vocab: int, hidden: int) -> dict:
 def logits_fn(params: dict, x: jax.Array, dtype) -> jax.Array:
   """The forward pass computed in `dtype`; logits returned in float32."""
   p = jax.tree.map(lambda a: a.astype(dtype), params)
-  h = p["embed"][x].reshape(x.shape[0], -1)
+  probe = jls.diagnostics.probe  # measures only under scaled_value_and_grad(probes=True)
+  h = probe(p["embed"][x].reshape(x.shape[0], -1), "embed")
   for layer in ("hidden_1", "hidden_2"):
-    h = jax.nn.gelu(h @ p[layer]["kernel"] + p[layer]["bias"])
-  return (h @ p["output"]["kernel"] + p["output"]["bias"]).astype(jnp.float32)
+    h = probe(jax.nn.gelu(h @ p[layer]["kernel"] + p[layer]["bias"]), layer)
+  logits = probe(h @ p["output"]["kernel"] + p["output"]["bias"], "output")
+  return logits.astype(jnp.float32)
 
 
 def loss_fn(params: dict, x: jax.Array, y: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -100,12 +102,15 @@ def train(name: str, data: Text, config: Config, dtype, loss_scale: jls.LossScal
   tx = jls.loss_scaling(optax.adam(config.learning_rate), loss_scale)
   params = init_params(jax.random.key(config.seed), data.vocab, config.hidden)
   opt_state = tx.init(params)
-  grad_fn = jls.scaled_value_and_grad(loss_fn)
+  # A MeasuredLossScale sets the scale from the probes' measurements.
+  measured = isinstance(loss_scale, jls.MeasuredLossScale)
+  grad_fn = jls.scaled_value_and_grad(loss_fn, probes=measured)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, x, y):
-    loss, grads = grad_fn(opt_state, params, x, y, dtype)
-    params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss)
+    loss, grads, *probes = grad_fn(opt_state, params, x, y, dtype)
+    params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss,
+                                           probes=probes[0] if probes else None)
     return params, opt_state, (loss, jls.metrics(opt_state))
 
   starts = data.train_starts(config.seed, config.steps, config.batch, CONTEXT + 1)

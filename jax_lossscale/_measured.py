@@ -1,0 +1,116 @@
+"""`MeasuredLossScale`: a loss scale set from what the backward pass measured.
+
+Transformer Engine's delayed scaling for float8, applied to float16 loss scaling: the
+next scale is the largest power of two at which the largest gradient of the last
+`history` steps (every probed activation gradient, and the parameter gradients) keeps
+`margin` doublings below the largest float16. An overflow is the safety net: it tells
+that the unscaled maximum was at least `65504 / scale`, which enters the history like a
+measurement: the maximum exceeded `65504 / scale`, so at half the scale it might fit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale import _numerics
+from jax_lossscale import _policy
+from jax_lossscale import _validation
+from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import loss_scale_dataclass
+from jax_lossscale._loss_scale import state_field
+from jax_lossscale._loss_scale import with_state
+
+
+@loss_scale_dataclass
+class MeasuredLossScale(LossScale):
+  """A loss scale chosen each step from the measured gradient maxima.
+
+  Give it measurements: `scaled_value_and_grad(loss_fn, probes=True)` returns them,
+  `tx.update(..., probes=probes)` passes them on (without probes, the parameter
+  gradients are the only measurement). Each update records the largest magnitude seen,
+  unscaled (an overflow records `2 * max_value / scale`: the maximum exceeded
+  `max_value / scale`, and at half the scale it might fit), and sets the
+  scale to the largest power of two `p` with `p * max(history) * 2**margin <= max_value`,
+  within `[min_loss_scale, max_loss_scale]`. So the scale sits just below overflow
+  without the grow-overflow-skip cycle of `DynamicLossScale`; a step is skipped only
+  when a gradient grows more than `2**margin` times beyond the recent maximum.
+
+  Args:
+    initial_loss_scale: the first scale (before anything is measured).
+    margin: doublings of headroom kept below `max_value` (>= 0).
+    history: how many steps' maxima the scale respects (>= 1).
+    dtype: the compute dtype whose largest value bounds the gradients: "float16" (the
+      default) or a float8 type; its name is kept, so the config stays JSON.
+    min_loss_scale: the floor, a positive float32 normal.
+    max_loss_scale: the cap (default 2**24: beyond it float16 gradients of 2**-24, the
+      smallest subnormal, would already be 1).
+    current_loss_scale, maxima: the state (float32 scalar, float32 `[history]`).
+
+  Raises:
+    ValueError: naming the argument, for a value outside these ranges.
+  """
+
+  initial_loss_scale: float = 2.0**15
+  margin: int = 0
+  history: int = 16
+  dtype: str = "float16"
+  min_loss_scale: float = 1.0
+  max_loss_scale: float = 2.0**24
+  _measures = True
+  current_loss_scale: jax.Array = state_field()
+  maxima: jax.Array = state_field()
+
+  def __post_init__(self):
+    v = _validation
+    checked = {
+        "initial_loss_scale": v.scale("initial_loss_scale", self.initial_loss_scale),
+        "margin": v.integer("margin", self.margin, 0, 100),
+        "history": v.integer("history", self.history, 1, 1 << 16),
+        "dtype": _policy.as_dtype(self.dtype, "dtype").name,
+        "min_loss_scale": v.scale("min_loss_scale", self.min_loss_scale),
+        "max_loss_scale": v.scale("max_loss_scale", self.max_loss_scale),
+    }
+    for name, value in checked.items():
+      object.__setattr__(self, name, value)
+    if not self.min_loss_scale <= self.initial_loss_scale <= self.max_loss_scale:
+      raise ValueError(
+          f"`initial_loss_scale` must be within [min_loss_scale, max_loss_scale] = "
+          f"[{self.min_loss_scale}, {self.max_loss_scale}], got {self.initial_loss_scale}.")
+    state = {"current_loss_scale": (self.initial_loss_scale, (), self.min_loss_scale,
+                                    self.max_loss_scale),
+             "maxima": (0.0, (self.history,), 0.0, _numerics.FLOAT32_MAX)}
+    for name, (initial, shape, low, high) in state.items():
+      value = getattr(self, name)
+      value = np.full(shape, initial, np.float32) if value is None else v.state_values(
+          name, value, np.float32, low, high)
+      object.__setattr__(self, name, value)
+
+  def __call__(self) -> jax.Array:
+    return jnp.asarray(self.current_loss_scale, jnp.float32)
+
+  def _applies(self, finite: jax.Array) -> jax.Array:
+    return finite
+
+  def _next(self, finite: jax.Array, measured: Any = None) -> MeasuredLossScale:
+    scale = self()
+    limit = np.float32(jnp.finfo(self.dtype).max)
+    if measured is None:
+      measured = jnp.zeros([], jnp.float32)
+    unscaled = jnp.where(finite, jnp.asarray(measured, jnp.float32) / scale, 2 * limit / scale)
+    maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)
+    largest = jnp.max(maxima)
+    target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,
+                                                -126, 127))
+    target = jnp.where(largest > 0, target, np.float32(self.max_loss_scale))
+    target = jnp.clip(target, np.float32(self.min_loss_scale), np.float32(self.max_loss_scale))
+    return with_state(self, current_loss_scale=target, maxima=maxima)
+
+
+def _log2_floor_ratio(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`floor(log2(a / b))` for positive float32 `a` and `b`, without overflowing `a / b`."""
+  (ma, ea), (mb, eb) = jnp.frexp(a), jnp.frexp(b)  # x = m * 2**e, m in [0.5, 1)
+  return ea - eb + jnp.where(ma >= mb, 0, -1)

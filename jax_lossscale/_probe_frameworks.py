@@ -1,0 +1,271 @@
+"""Probes on every module's output, named by its path, in flax linen, flax NNX, equinox.
+
+Each adapter wraps a loss function; nothing in the model changes. Use the wrapped loss
+with `value_and_grad_with_probes`:
+
+    grad_fn = value_and_grad_with_probes(nnx.value_and_grad, nnx_probes(loss_fn))
+    loss, grads, probes = grad_fn(model, x, y)  # probes["blocks/linear"], ...
+
+Outside a measuring context the wrapped loss is the loss: no interception, no probes.
+Stacked layers run by a scan (an `nnx.scan` or `lax.scan` over a module whose arrays
+all carry a leading layer axis) get one row per layer: the NNX and equinox adapters
+give such a module an index `arange(layers)`, which the scan slices with the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale import _probes
+
+_NAME, _INDEX, _LENGTH = "_probe_name", "_probe_index", "_probe_length"
+
+
+def _key_name(key: Any) -> str:
+  for attribute in ("name", "key", "idx"):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def _join(path) -> str:
+  return "/".join(_key_name(key) for key in path)
+
+
+def _probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
+  """`probe` on each array of a module's output: `name`, or `name/key` for several."""
+  leaves = jax.tree_util.tree_leaves_with_path(out)
+  if index is not None and jnp.ndim(index) != 0:  # not sliced by a scan: no rows
+    index = length = None
+
+  def one(path, leaf):
+    where = name if len(leaves) == 1 else f"{name}/{_join(path)}"
+    return _probes.probe(leaf, where, index=index, length=length)
+
+  return jax.tree_util.tree_map_with_path(one, out)
+
+
+def _stacked_length(arrays) -> int | None:
+  """The leading axis all `arrays` share (a stack of layers, maybe), or None."""
+  leading = {a.shape[0] if a.ndim else None for a in arrays}
+  return leading.pop() if len(leading) == 1 else None
+
+
+# --- flax linen ---------------------------------------------------------------------
+
+
+def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`fun` with a probe on the output of every linen `Module.__call__` it runs.
+
+  Probes are named by module path, as in the params: `"Dense_0"`, `"encoder/layer_1"`;
+  the top-level module by its class name. Inside `nn.scan`, a module's probe sums over
+  the layers (one row, `hits` = layers): linen's lifted scan slices only the variable
+  collections the model names, so no index can ride along.
+
+  Args:
+    fun: a function that applies linen modules (a loss calling `model.apply`).
+
+  Returns:
+    `fun`, intercepting `__call__` while probes are measured.
+  """
+  from flax import linen
+
+  def interceptor(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if context.method_name != "__call__":
+      return out
+    name = "/".join(context.module.path) or type(context.module).__name__
+    return _probe_output(out, name)
+
+  @functools.wraps(fun)
+  def probed(*args, **kwargs):
+    if not _probes.probing():
+      return fun(*args, **kwargs)
+    with linen.intercept_methods(interceptor):
+      return fun(*args, **kwargs)
+
+  return probed
+
+
+# --- flax NNX -----------------------------------------------------------------------
+
+
+def nnx_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`fun(model, ...)` with a probe on the output of every NNX module in `model`.
+
+  Probes are named by the module's path in `model` (`"blocks/linear"`); `model`
+  itself by its class name. For the call, each module gets its name and, when its
+  params share a leading axis, an index `nnx.Variable(arange(n))` that `nnx.scan`
+  slices with the params; both are removed before `fun` returns, so `nnx.state`,
+  `nnx.Optimizer(wrt=nnx.Param)` and the gradients see the model unchanged (inside
+  `fun`, `nnx.state(model)` without a filter shows the index). The `__call__` of the
+  model's module classes is wrapped for the call, as `nnx.capture(method_outputs=...)`
+  does; other threads' modules pass through it unprobed.
+
+  Args:
+    fun: a loss taking the model first.
+
+  Returns:
+    The probed `fun`.
+  """
+  @functools.wraps(fun)
+  def probed(model, *args, **kwargs):
+    if not _probes.probing():
+      return fun(model, *args, **kwargs)
+    with _nnx_annotated(model) as classes, _calls_probed(classes):
+      return fun(model, *args, **kwargs)
+
+  return probed
+
+
+@contextlib.contextmanager
+def _nnx_annotated(model):
+  from flax import nnx
+
+  modules = dict(nnx.iter_modules(model))
+  params = {path: jax.tree.leaves(nnx.state(module, nnx.Param))
+            for path, module in modules.items()}
+  lengths = {path: _stacked_length(p) if p else None for path, p in params.items()}
+  try:
+    for path, module in modules.items():
+      length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
+                     if lengths.get(path[:i]) is not None), None)
+      setattr(module, _NAME, _join(path) or type(module).__name__)
+      if length is not None:
+        setattr(module, _INDEX, nnx.Variable(jnp.arange(length)))
+        setattr(module, _LENGTH, length)
+    yield {type(module) for module in modules.values()}
+  finally:
+    for module in modules.values():
+      for attribute in (_NAME, _INDEX, _LENGTH):
+        if attribute in vars(module):
+          delattr(module, attribute)
+
+
+@contextlib.contextmanager
+def _calls_probed(classes):
+  """Each class's `__call__` probes its output while inside the context."""
+  undo = []
+  try:
+    for cls in classes:
+      if not getattr(cls.__call__, "_probes_output", False):
+        undo.append((cls, cls.__dict__.get("__call__")))
+        cls.__call__ = _probing_call(cls.__call__)
+    yield
+  finally:
+    for cls, own in undo:
+      if own is None:
+        del cls.__call__
+      else:
+        cls.__call__ = own
+
+
+def _probing_call(call):
+  @functools.wraps(call)
+  def __call__(self, *args, **kwargs):
+    out = call(self, *args, **kwargs)
+    # Through super().__call__, only the outermost wrapper probes.
+    if type(self).__call__ is not __call__ or not hasattr(self, _NAME):
+      return out
+    index = getattr(self, _INDEX, None)
+    return _probe_output(out, getattr(self, _NAME),
+                         None if index is None else index.get_value(),
+                         getattr(self, _LENGTH, None))
+
+  __call__._probes_output = True
+  return __call__
+
+
+# --- equinox ------------------------------------------------------------------------
+
+
+def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`fun(model, ...)` called with a probed view of `model`.
+
+  In the view, every submodule is wrapped so that its `__call__` output is probed,
+  named by its path in `model` (`"layers/0"`; `model` by its class name); attributes
+  read through the wrapper reach the module (`isinstance` sees the wrapper). The view
+  is made inside `fun`, so the gradients have `model`'s structure, ready for
+  `eqx.filter(model, eqx.is_array)`. A module whose arrays share a leading axis
+  (stacked by `eqx.filter_vmap`) carries an index `arange(n)`: split and scanned with
+  `eqx.partition`, each layer gets its row.
+
+  Args:
+    fun: a loss taking the model first.
+
+  Returns:
+    The probed `fun`.
+  """
+  @functools.wraps(fun)
+  def probed(model, *args, **kwargs):
+    if not _probes.probing():
+      return fun(model, *args, **kwargs)
+    return fun(_equinox_view(model, (), None), *args, **kwargs)
+
+  return probed
+
+
+def _equinox_view(module, path, inherited: int | None):
+  import equinox as eqx
+
+  arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
+  length = _stacked_length(arrays) if arrays else inherited
+  is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
+  children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
+  view = jax.tree.unflatten(treedef, [
+      _equinox_view(child, path + key, length) if is_submodule(child) else child
+      for key, child in children])
+  index = None if length is None else jnp.arange(length)
+  return _equinox_probed()(view, index, _join(path) or type(module).__name__, length)
+
+
+@functools.cache  # one class, made when equinox is first needed
+def _equinox_probed():
+  import equinox as eqx
+
+  class Probed(eqx.Module):
+    """A module whose `__call__` output is probed; other attributes reach it."""
+    module: Any
+    index: jax.Array | None
+    name: str = eqx.field(static=True)
+    length: int | None = eqx.field(static=True)
+
+    def __call__(self, *args, **kwargs):
+      return _probe_output(self.module(*args, **kwargs), self.name, self.index,
+                           self.length)
+
+    def __getattr__(self, attribute):
+      if attribute == "module":  # not set yet: no recursion
+        raise AttributeError(attribute)
+      return getattr(self.module, attribute)
+
+  return Probed
+
+
+def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`fun` with probes on every module output of the frameworks it is called with.
+
+  flax linen modules are intercepted wherever `fun` applies them; a flax NNX or equinox
+  model given first is probed through its adapter. Frameworks that were never imported
+  are not looked for (nor imported).
+  """
+  @functools.wraps(fun)
+  def probed(*args, **kwargs):
+    adapted, first = fun, args[0] if args else None
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(first, nnx.Module):
+      adapted = nnx_probes(adapted)
+    elif eqx is not None and isinstance(first, eqx.Module):
+      adapted = equinox_probes(adapted)
+    if "flax.linen" in sys.modules:
+      adapted = linen_probes(adapted)
+    return adapted(*args, **kwargs)
+
+  return probed

@@ -1,0 +1,100 @@
+"""Specification of `MeasuredLossScale`: the scale set from what the backward pass measured."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+MAX16 = 65504.0
+
+
+def scales(loss_scale, maxima):
+  """The scale after each step whose largest unscaled gradient is given (None: an
+  overflow); the backward pass sees it times the scale."""
+  out = []
+  for maximum in maxima:
+    seen = 0.0 if maximum is None else maximum * float(loss_scale())
+    loss_scale = loss_scale._next(jnp.array(maximum is not None), jnp.float32(seen))
+    out.append(float(loss_scale()))
+  return out, loss_scale
+
+
+def test_the_scale_is_the_largest_power_of_two_that_keeps_the_maximum_below_float16_max():
+  # An unscaled maximum of 3e-3: the largest p with p * 3e-3 <= 65504 is 2**24.
+  got, _ = scales(jls.MeasuredLossScale(2.0**10, max_loss_scale=2.0**30), [3e-3])
+  assert got == [2.0**24] and 2.0**24 * 3e-3 <= MAX16 < 2.0**25 * 3e-3
+
+
+def test_margin_keeps_that_many_doublings_of_headroom():
+  free, _ = scales(jls.MeasuredLossScale(1.0), [1.0])
+  kept, _ = scales(jls.MeasuredLossScale(1.0, margin=2), [1.0])
+  assert kept[0] == free[0] / 4 == 2.0**13
+
+
+def test_the_largest_maximum_of_the_history_rules():
+  # A spike of 8 keeps the scale down for `history` steps, then it is forgotten.
+  got, _ = scales(jls.MeasuredLossScale(1.0, history=3), [1.0, 8.0, 1.0, 1.0, 1.0])
+  assert got == [2.0**15, 2.0**12, 2.0**12, 2.0**12, 2.0**15]
+
+
+def test_an_overflow_drops_the_scale_below_what_it_implies_at_once():
+  # An overflow at scale s means an unscaled maximum above 65504 / s: half the scale.
+  got, _ = scales(jls.MeasuredLossScale(2.0**10, history=4), [None, None, 1e-4])
+  assert got == [2.0**9, 2.0**8, 2.0**8]
+  got, _ = scales(jls.MeasuredLossScale(2.0**10, history=4, margin=1), [None])
+  assert got == [2.0**8]
+
+
+def test_zero_gradients_take_the_scale_to_its_cap_and_the_floor_holds():
+  got, _ = scales(jls.MeasuredLossScale(4.0, max_loss_scale=2.0**20), [0.0])
+  assert got == [2.0**20]
+  got, _ = scales(jls.MeasuredLossScale(4.0, min_loss_scale=2.0, history=1), [MAX16, None])
+  assert got == [2.0, 2.0]
+
+
+def test_config_round_trips_and_state_survives_jit():
+  loss_scale = jls.MeasuredLossScale(2.0**8, margin=1, history=5, dtype="f16")
+  assert loss_scale.dtype == "float16"
+  again = jls.deserialize(json.loads(json.dumps(jls.serialize(loss_scale))))
+  assert again == loss_scale
+  jitted = jax.jit(lambda ls: ls._next(jnp.array(True), jnp.float32(1.0)))(loss_scale)
+  assert jitted.maxima.shape == (5,) and jitted.history == 5
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(margin=-1), "margin"), (dict(history=0), "history"), (dict(dtype="f8"), "dtype"),
+    (dict(initial_loss_scale=2.0**30), "initial_loss_scale"),
+    (dict(min_loss_scale=0), "min_loss_scale")])
+def test_bad_arguments_are_refused_naming_them(kwargs, name):
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    jls.MeasuredLossScale(**kwargs)
+
+
+def test_inside_loss_scaling_the_parameter_gradients_are_measured_without_probes():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.MeasuredLossScale(2.0**4, history=2))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)({"w": jnp.array([2.0**4 * 3, 1.0])}, state, params)
+  assert float(state.loss_scale()) == 2.0 ** np.floor(np.log2(MAX16 / 3))
+
+
+def test_probes_measured_inside_the_backward_pass_set_the_scale():
+  # The activation gradient, 1000 times the parameter gradient here, bounds the scale.
+  def loss_fn(params, x):
+    h = jls.diagnostics.probe(x * 1e-3, "small")
+    return jnp.sum(params["w"] * h) * 1e3
+
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.MeasuredLossScale(1.0, history=1))
+  params, x = {"w": jnp.ones(4)}, jnp.ones(4)
+  state = tx.init(params)
+  loss, grads, probes = jls.scaled_value_and_grad(loss_fn, probes=True)(state, params, x)
+  _, with_probes = tx.update(grads, state, params, loss=loss, probes=probes)
+  _, without = tx.update(grads, state, params, loss=loss)
+  assert float(with_probes.loss_scale()) == 2.0**6  # 64 * 1000 <= 65504
+  assert float(without.loss_scale()) == 2.0**15  # parameter gradients of 1
+  assert float(with_probes.loss_scale()) < float(without.loss_scale())

@@ -1,0 +1,349 @@
+"""Specification of probes: activation-gradient measurements out of the backward pass."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import ClosedJaxpr
+
+from jax_lossscale import _probes as pr
+
+HERE = pathlib.Path(__file__).parent
+F16 = jnp.float16
+
+
+@jax.custom_vjp
+def scale_backward(x, factor):
+  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
+  return x
+
+
+scale_backward.defvjp(lambda x, factor: (x, factor),
+                      lambda factor, g: (g * factor.astype(g.dtype), jnp.zeros_like(factor)))
+
+
+def mlp(params, x, overflow_at=None, nan_at=None, probed=True):
+  """A float16 MLP with a probe after every layer, named layer_0, layer_1, ..."""
+  for i, w in enumerate(params):
+    x = jnp.tanh(x @ w.astype(F16))
+    if i == nan_at:
+      x = x.at[0, 0].set(jnp.nan)
+    if i == overflow_at:
+      x = scale_backward(x, jnp.float32(jnp.inf))
+    x = pr.probe(x, f"layer_{i}") if probed else x
+  return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+PARAMS = [jnp.asarray(np.random.default_rng(i).normal(size=(8, 8)) / 3, jnp.float32)
+          for i in range(4)]
+X = jnp.asarray(np.random.default_rng(9).normal(size=(4, 8)), F16)
+
+
+def with_probes(fun, argnums=0, has_aux=False, value_and_grad=jax.value_and_grad):
+  return pr.value_and_grad_with_probes(value_and_grad, fun, argnums, has_aux)
+
+
+def injected(cotangent, forward=None):
+  """A loss whose gradient at the probe is exactly `cotangent`."""
+  def loss(w):
+    x = pr.probe(w * (cotangent if forward is None else forward), "p")
+    return jnp.sum(x * (cotangent if forward is None else 1.0))
+  return loss
+
+
+# --- identity, zero cost -------------------------------------------------------------
+
+
+def test_probes_leave_the_value_and_the_gradients_exactly_unchanged(maybe_jit):
+  value, grads, probes = maybe_jit(with_probes(mlp))(PARAMS, X)
+  ref_value, ref_grads = jax.value_and_grad(mlp)(PARAMS, X)
+  chex.assert_trees_all_equal((value, grads), (ref_value, ref_grads))
+  assert list(probes) == ["layer_0", "layer_1", "layer_2", "layer_3"]
+  assert pr.backward_overflow_origin(probes) is None
+  assert pr.forward_nonfinite_origin(probes) is None
+
+
+def test_without_measurement_probe_returns_its_input_and_the_program_has_no_probes():
+  x = jnp.ones(3)
+  assert pr.probe(x, "a") is x
+  jaxpr = lambda fun: str(jax.make_jaxpr(jax.value_and_grad(fun))(PARAMS, X))
+  assert jaxpr(mlp) == jaxpr(lambda p, x: mlp(p, x, probed=False))
+  assert "custom_vjp" not in jaxpr(mlp)
+
+
+def reductions(fun, *args) -> int:
+  """The number of reductions in `fun`'s program, nested jaxprs included."""
+  def count(jaxpr):
+    params = jax.tree.leaves([e.params for e in jaxpr.eqns],
+                             is_leaf=lambda p: isinstance(p, ClosedJaxpr))
+    subs = [p.jaxpr for p in params if isinstance(p, ClosedJaxpr)]
+    return sum(e.primitive.name.startswith("reduce") for e in jaxpr.eqns) + sum(
+        count(sub) for sub in subs)
+  return count(jax.make_jaxpr(fun)(*args).jaxpr)
+
+
+def test_each_probe_costs_one_reduction_of_its_activation_and_gradient_together():
+  plain = reductions(jax.value_and_grad(mlp), PARAMS, X)
+  assert reductions(with_probes(mlp), PARAMS, X) == plain + len(PARAMS)
+
+
+def test_a_function_without_probes_gets_plain_gradients_and_no_probes():
+  value, grads, probes = with_probes(lambda w: jnp.sum(w ** 2))(jnp.arange(3.0))
+  assert float(value) == 5.0 and list(grads) == [0.0, 2.0, 4.0] and len(probes) == 0
+
+
+# --- measurements -------------------------------------------------------------------
+
+
+def test_backward_measurements_of_a_crafted_gradient_are_exact():
+  g = jnp.array([0.0, 0.0, 3.0, -1024.0, 2.0**-20, 2.0**-15, 1.0, 0.5], F16)
+  stats = with_probes(injected(g))(jnp.ones(8, F16))[2]["p"]
+  assert int(stats.hits) == 1
+  back = stats.backward
+  assert float(back.max_abs) == 1024.0
+  assert (float(back.zero_fraction), float(back.subnormal_fraction)) == (2 / 8, 2 / 8)
+  assert bool(back.finite) and float(stats.headroom) == 5  # 1024 * 2**5 < 65504
+
+
+def test_forward_measurements_of_a_crafted_activation_are_exact():
+  a = jnp.array([jnp.nan, 0.0, -300.0, 2.0**-16, jnp.inf], F16)
+  probes = with_probes(injected(jnp.ones(5, F16), forward=a))(jnp.ones(5, F16))[2]
+  fwd = pr.summarize(probes)["p"].forward
+  assert float(fwd.max_abs) == np.inf and not fwd.finite  # NaN counts as inf
+  assert (float(fwd.zero_fraction), float(fwd.subnormal_fraction)) == (
+      np.float32(1 / 5), np.float32(1 / 5))
+
+
+@pytest.mark.parametrize("largest, doublings", [
+    (1.0, 15), (0.75, 16), (65504.0, 0), (40000.0, 0), (2.0**-24, 39),
+    (0.0, np.inf), (np.inf, -np.inf)])
+def test_headroom_counts_the_doublings_before_float16_overflows(largest, doublings):
+  g = jnp.array([largest, 0.0], F16)
+  assert pr.headroom(with_probes(injected(g))(jnp.ones(2, F16))[2])["p"] == doublings
+
+
+# --- cotangents add up --------------------------------------------------------------
+
+
+def twice(w, x):
+  layer = lambda h: pr.probe(jnp.tanh(h * w), "shared")
+  return jnp.sum(layer(layer(x)) * jnp.array([1.0, 300.0]))
+
+
+def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution():
+  _, _, probes = with_probes(twice)(jnp.float32(1.0), jnp.array([0.5, 0.0]))
+  summary = pr.summarize(probes)["shared"]
+  values, binades = probes.encoded[0]
+  assert float(values[1]) == 1.0 and float(binades.sum()) == 4  # sums: 1/2 + 1/2, 2 x 2
+  assert summary.hits == 2 and summary.forward.zero_fraction == 0.5  # x[1] = 0 each time
+  # Outer hit: 300 (binade 2**8). Inner: 300 * tanh'(tanh(0) = 0) = 300 too.
+  assert summary.backward.max_abs == 256.0 and summary.headroom == 7
+
+
+def test_vmap_inside_the_loss_sums_over_the_examples():
+  def loss(w, xs):
+    return jnp.sum(jax.vmap(lambda x: pr.probe(x * w, "per_example"))(xs) ** 2)
+
+  xs = jnp.array([[1.0, 0.0], [0.0, 0.0], [2.0, 1.0]])
+  summary = pr.summarize(with_probes(loss)(jnp.float32(1.0), xs)[2])["per_example"]
+  assert summary.hits == 3 and summary.forward.zero_fraction == 0.5
+  assert summary.backward.max_abs == 4.0
+
+
+def test_vmap_over_the_gradient_computation_gives_per_example_probes():
+  xs = jnp.stack([X, 2 * X, 0 * X])
+  value, grads, probes = jax.vmap(with_probes(mlp), in_axes=(None, 0))(PARAMS, xs)
+  assert value.shape == (3,) and grads[0].shape == (3, 8, 8)
+  assert probes["layer_0"].hits.shape == (3,)
+  assert list(np.asarray(probes["layer_0"].forward.zero_fraction)) == [0, 0, 1]
+
+
+def scanned(ws, x, index=True):
+  """`mlp` as a scan over its stacked layers."""
+  def body(h, layer):
+    i, w = layer
+    h = jnp.tanh(h @ w.astype(F16))
+    return pr.probe(h, "block", index=i, length=len(ws)) if index else pr.probe(h, "block"), None
+  h, _ = lax.scan(body, x, (jnp.arange(len(ws)), ws))
+  return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def test_a_probe_in_a_scan_over_layers_gives_one_row_per_layer():
+  rows = pr.summarize(with_probes(scanned)(jnp.stack(PARAMS), X)[2])["block"]
+  unrolled = pr.summarize(with_probes(mlp)(PARAMS, X)[2])
+  assert list(rows.hits) == [1, 1, 1, 1]
+  for i in range(4):  # each row holds its own layer's measurements
+    layer = unrolled[f"layer_{i}"]
+    np.testing.assert_allclose(rows.backward.max_abs[i], layer.backward.max_abs, rtol=1e-3)
+    assert rows.headroom[i] == layer.headroom
+
+
+def test_a_probe_in_a_scan_without_an_index_sums_the_layers():
+  _, _, probes = with_probes(lambda ws, x: scanned(ws, x, index=False))(jnp.stack(PARAMS), X)
+  assert int(probes["block"].hits) == 4 and probes["block"].hits.shape == ()
+
+
+def test_probes_under_checkpoint_measure_what_they_measure_without_it():
+  plain = with_probes(mlp)(PARAMS, X)[2]
+  rematted = with_probes(lambda p, x: jax.checkpoint(mlp)(p, x))(PARAMS, X)[2]
+  chex.assert_trees_all_equal(plain, rematted)
+
+
+def test_a_jitted_step_with_donated_parameters_measures_every_step():
+  def step(params, x):
+    _, grads, probes = with_probes(mlp)(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), probes
+
+  step = jax.jit(step, donate_argnums=0)
+  params = [p + 0 for p in PARAMS]
+  for _ in range(3):
+    params, probes = step(params, X)
+  assert [int(probes[n].hits) for n in probes] == [1, 1, 1, 1]
+
+
+def test_a_jitted_inner_function_is_retraced_when_measurement_starts():
+  inner = jax.jit(lambda x: pr.probe(x * 2, "inner"))
+  loss = lambda w: jnp.sum(inner(w))
+  jax.grad(loss)(jnp.ones(2))  # cached without probes
+  assert int(with_probes(loss)(jnp.ones(2))[2]["inner"].hits) == 1
+  assert "custom_vjp" not in str(jax.make_jaxpr(jax.grad(loss))(jnp.ones(2)))
+
+
+# --- locating -----------------------------------------------------------------------
+
+
+def test_an_overflow_in_layer_2_backward_pass_is_named_layer_2():
+  _, grads, probes = with_probes(lambda p, x: mlp(p, x, overflow_at=2))(PARAMS, X)
+  assert not np.isfinite(np.asarray(grads[0])).all()
+  # The first non-finite gradient is layer_1's; layer 2's backward computed it.
+  assert not pr.summarize(probes)["layer_1"].backward.finite
+  assert pr.summarize(probes)["layer_2"].backward.finite
+  assert pr.backward_overflow_origin(probes) == "layer_2"
+  assert pr.forward_nonfinite_origin(probes) is None
+
+
+def test_an_overflow_after_the_last_probe_is_named_the_loss():
+  def loss(p, x):
+    return jnp.sum(scale_backward(mlp(p, x), jnp.float32(jnp.inf)))
+
+  assert pr.backward_overflow_origin(with_probes(loss)(PARAMS, X)[2]) == pr.LOSS
+
+
+def test_a_nan_produced_in_layer_1_forward_pass_is_the_first_nonfinite_forward_layer():
+  _, _, probes = with_probes(lambda p, x: mlp(p, x, nan_at=1))(PARAMS, X)
+  assert pr.forward_nonfinite_origin(probes) == "layer_1"
+
+
+def test_an_overflow_in_the_third_scanned_layer_is_named_by_its_row():
+  def loss(ws, x):
+    def body(h, layer):
+      i, w = layer
+      h = jnp.tanh(h @ w.astype(F16))
+      h = scale_backward(h, jnp.where(i == 2, jnp.inf, 1.0))
+      return pr.probe(h, "block", index=i, length=4), None
+    return jnp.sum(lax.scan(body, x, (jnp.arange(4), ws))[0])
+
+  probes = with_probes(loss)(jnp.stack(PARAMS), X)[2]
+  assert pr.backward_overflow_origin(probes) == "block[2]"
+
+
+# --- threading through the differentiation transforms ---------------------------------
+
+
+def two_args(a, b):
+  return jnp.sum(pr.probe(a * b, "ab")), {"b": b}
+
+
+@pytest.mark.parametrize("argnums", [0, 1, -1, (0, 1), (1, 0), (-1,)])
+def test_gradients_keep_the_structure_of_every_argnums(argnums):
+  a, b = jnp.ones(2), jnp.full(2, 3.0)
+  (value, aux), grads, probes = with_probes(two_args, argnums, has_aux=True)(a, b)
+  (ref_value, ref_aux), ref_grads = jax.value_and_grad(two_args, argnums, has_aux=True)(a, b)
+  chex.assert_trees_all_equal((value, aux, grads), (ref_value, ref_aux, ref_grads))
+  assert int(probes["ab"].hits) == 1
+
+
+def test_equinox_and_nnx_transforms_get_the_stats_with_their_first_argument():
+  import equinox as eqx
+  from flax import nnx
+
+  for transform in (eqx.filter_value_and_grad, nnx.value_and_grad):
+    _, grads, probes = with_probes(mlp, value_and_grad=transform)(PARAMS, X)
+    chex.assert_trees_all_equal(grads, jax.grad(mlp)(PARAMS, X))
+    assert list(probes) == ["layer_0", "layer_1", "layer_2", "layer_3"]
+
+
+# --- validation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"index": 0}, "index=0 needs length"), ({"index": 0, "length": 0}, "length=0 must be"),
+    ({"index": 2, "length": 2}, r"index=2 is not in \[0, length=2\)")])
+def test_probe_arguments_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    with_probes(lambda w: jnp.sum(pr.probe(w, "p", **kwargs)))(jnp.ones(2))
+
+
+def test_one_name_used_with_two_lengths_is_refused():
+  def loss(w):
+    return jnp.sum(pr.probe(w, "p") + pr.probe(w, "p", index=0, length=2))
+
+  with pytest.raises(ValueError, match="probe 'p'.*length=2.*length=None"):
+    with_probes(loss)(jnp.ones(2))
+
+
+# --- many devices -------------------------------------------------------------------
+
+
+def test_shard_map_and_pmap_on_8_forced_cpu_devices():
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  result = subprocess.run(
+      [sys.executable, "-c", "import test_probes; test_probes.multidevice_cases()"],
+      env=env, capture_output=True, text=True, timeout=300, cwd=HERE)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+  assert "8 devices: ok" in result.stdout
+
+
+def multidevice_cases():
+  """Run by the test above in a process with 8 forced CPU devices."""
+  from functools import partial
+
+  from jax.sharding import PartitionSpec as P
+
+  assert jax.device_count() == 8
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), F16)
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  def sharded(params, x):
+    return pr.all_reduce_probes(with_probes(mlp)(params, x)[2], "data")
+
+  probes, whole = sharded(PARAMS, xs), with_probes(mlp)(PARAMS, xs)[2]
+  assert int(probes["layer_0"].hits) == 8
+  # Each device's loss is a mean over 16 elements instead of 128: gradients 8 times larger.
+  assert pr.headroom(probes) == {n: h - 3 for n, h in pr.headroom(whole).items()}
+
+  def sharded_loss(params, x):  # probes outside: the transposition sums the devices
+    shard = partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    return shard(lambda p, x: lax.pmean(mlp(p, x), "data"))(params, x)
+
+  probes = jax.jit(with_probes(sharded_loss))(PARAMS, xs)[2]
+  assert int(probes["layer_0"].hits) == 8 and pr.headroom(probes) == pr.headroom(whole)
+
+  def pmapped(params, x):
+    return pr.all_reduce_probes(with_probes(mlp)(params, x)[2], "data")
+
+  probes = jax.pmap(pmapped, axis_name="data", in_axes=(None, 0))(PARAMS, xs.reshape(8, 2, 8))
+  assert list(np.asarray(probes["layer_0"].hits)) == [8] * 8
+  on_device_0 = jax.tree.map(lambda leaf: leaf[0], probes)
+  assert pr.headroom(on_device_0) == {n: h - 3 for n, h in pr.headroom(whole).items()}
+  print("8 devices: ok")
