@@ -58,6 +58,14 @@ def _stacked_length(arrays) -> int | None:
   return leading.pop() if len(leading) == 1 else None
 
 
+def _while_probing(fun: Callable[..., Any], probed: Callable[..., Any]) -> Callable[..., Any]:
+  """`probed` while probes are measured, `fun` itself otherwise."""
+  @functools.wraps(fun)
+  def call(*args, **kwargs):
+    return (probed if _probes.probing() else fun)(*args, **kwargs)
+  return call
+
+
 # --- flax linen ---------------------------------------------------------------------
 
 
@@ -115,14 +123,11 @@ def nnx_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Returns:
     The probed `fun`.
   """
-  @functools.wraps(fun)
   def probed(model, *args, **kwargs):
-    if not _probes.probing():
-      return fun(model, *args, **kwargs)
     with _nnx_annotated(model) as classes, _calls_probed(classes):
       return fun(model, *args, **kwargs)
 
-  return probed
+  return _while_probing(fun, probed)
 
 
 @contextlib.contextmanager
@@ -203,13 +208,8 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Returns:
     The probed `fun`.
   """
-  @functools.wraps(fun)
-  def probed(model, *args, **kwargs):
-    if not _probes.probing():
-      return fun(model, *args, **kwargs)
-    return fun(_equinox_view(model, (), None), *args, **kwargs)
-
-  return probed
+  return _while_probing(
+      fun, lambda model, *args, **kwargs: fun(_equinox_view(model, (), None), *args, **kwargs))
 
 
 def _equinox_view(module, path, inherited: int | None):

@@ -4,6 +4,7 @@ import contextlib
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,3 +56,24 @@ def count_compiles():
     yield count
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@jax.custom_vjp
+def overflow_in_backward(x, factor):
+  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
+  return x
+
+
+overflow_in_backward.defvjp(lambda x, factor: (x, factor),
+                            lambda factor, g: (g * factor, jnp.zeros_like(factor)))
+
+
+class Wrapped:
+  """A framework's container of one array (as flax NNX's `nnx.Variable`)."""
+
+  def __init__(self, value):
+    self.value = value
+
+
+jax.tree_util.register_pytree_node(Wrapped, lambda w: ((w.value,), None),
+                                   lambda _, children: Wrapped(children[0]))

@@ -12,22 +12,13 @@ import pytest
 from flax import linen
 from flax import serialization
 from flax.training import train_state
+from helpers import overflow_in_backward
 
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
 Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), jnp.float32)
-
-
-@jax.custom_vjp
-def overflow_in_backward(x, factor):
-  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
-  return x
-
-
-overflow_in_backward.defvjp(lambda x, factor: (x, factor),
-                            lambda factor, g: (g * factor, jnp.zeros_like(factor)))
 
 
 class Model(linen.Module):

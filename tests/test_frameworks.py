@@ -14,21 +14,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import overflow_in_backward
 
 import jax_lossscale as jls
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
 Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), jnp.float32)
-
-
-@jax.custom_vjp
-def overflow_in_backward(x, factor):
-  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
-  return x
-
-
-overflow_in_backward.defvjp(lambda x, factor: (x, factor),
-                            lambda factor, g: (g * factor, jnp.zeros_like(factor)))
 
 
 # --- flax NNX ------------------------------------------------------------------------

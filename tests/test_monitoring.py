@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import Wrapped
 
 import jax_lossscale as jls
 from jax_lossscale import _monitoring
@@ -86,17 +87,6 @@ def test_metrics_are_scalars_ready_for_logging():
       "last_applied": False, "nonfinite_loss_steps": 0, "nonfinite_update_steps": 0,
       "consecutive_nonfinite_loss": 0, "consecutive_nonfinite_updates": 0,
   }
-
-
-class Wrapped:
-  """A framework's container of one array (as flax NNX's `nnx.Variable`)."""
-
-  def __init__(self, value):
-    self.value = value
-
-
-jax.tree_util.register_pytree_node(Wrapped, lambda w: ((w.value,), None),
-                                   lambda _, children: Wrapped(children[0]))
 
 
 def test_metrics_and_loss_scale_are_plain_arrays_whatever_wraps_the_state():

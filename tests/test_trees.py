@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import Wrapped
 
 import jax_lossscale as jls
 from jax_lossscale import _numerics
@@ -95,17 +96,6 @@ def test_apply_updates_takes_a_whole_module_with_static_leaves():
   assert out["act"] is jax.nn.relu and out["name"] == "mlp"
   chex.assert_trees_all_equal(out["w"], jnp.full(2, 1.5))
   chex.assert_trees_all_equal(out["frozen"], jnp.ones(1))
-
-
-class Wrapped:
-  """A framework's container of one array (as flax NNX's `nnx.Variable`)."""
-
-  def __init__(self, value):
-    self.value = value
-
-
-jax.tree_util.register_pytree_node(Wrapped, lambda w: ((w.value,), None),
-                                   lambda _, children: Wrapped(children[0]))
 
 
 def test_unwrap_replaces_single_array_wrappers_by_their_arrays():
