@@ -144,3 +144,14 @@ def test_importing_the_package_imports_no_flax():
   code = "import sys, jax_lossscale; assert 'flax' not in sys.modules, 'flax imported'"
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_overwrite_with_gradient_collection_is_set_to_its_gradient_not_optimized():
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0))
+  params = {"params": {"w": jnp.ones(2)}, "_overwrite_with_gradient": {"scale": jnp.ones(1)}}
+  state = TrainState.create(apply_fn=None, params=params, tx=tx)
+  grads = {"params": {"w": jnp.full(2, 0.5)},
+           "_overwrite_with_gradient": {"scale": jnp.full(1, 7.0)}}
+  state = state.apply_gradients(grads=grads)
+  chex.assert_trees_all_equal(state.params["params"]["w"], jnp.full(2, 0.5))
+  chex.assert_trees_all_equal(state.params["_overwrite_with_gradient"]["scale"], jnp.full(1, 7.0))
