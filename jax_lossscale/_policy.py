@@ -40,14 +40,15 @@ _KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
          "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
 
 
-def half_dtype() -> jnp.dtype:
-  """The half-precision dtype of this backend: bfloat16 on TPU, float16 elsewhere."""
-  return jnp.dtype(jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16)
+def half_dtype() -> Any:
+  """The half-precision type of this backend, as jmp gives it: `jnp.bfloat16` on TPU,
+  `jnp.float16` elsewhere (a scalar type: `half_dtype()(2**15)` makes a number)."""
+  return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
 
 
 def _named_dtype(name: str) -> jnp.dtype | None:
   """The dtype a name of the policy grammar means, or `None` for another string."""
-  return half_dtype() if name == "half" else _BY_NAME.get(name)
+  return jnp.dtype(half_dtype()) if name == "half" else _BY_NAME.get(name)
 
 
 def _dtype_or_none(value: Any) -> jnp.dtype | None:

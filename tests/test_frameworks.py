@@ -43,10 +43,26 @@ def nnx_step(model, optimizer, x, y, overflow):
   def loss_fn(model):
     return overflow_in_backward(jnp.mean((model(x) - y) ** 2), overflow)
 
+  stats = jax.tree.map(lambda s: s, nnx.state(model, nnx.BatchStat))  # as README's
   grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad)
   loss, grads = grad_fn(optimizer.opt_state, model)
   optimizer.update(model, grads, loss=loss)
+  nnx.update(model, jls.if_applied(optimizer, nnx.state(model, nnx.BatchStat), stats))
   return loss, jls.metrics(optimizer.opt_state)
+
+
+def test_flax_nnx_batchnorm_statistics_follow_the_step_decision():
+  # A NaN in the forward pass would write NaN into the running statistics.
+  model = NnxModel(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(model, jls.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)
+  nnx_step(model, optimizer, X, Y, 1.0)
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+  _, metrics = nnx_step(model, optimizer, X.at[0, 0].set(jnp.nan), Y, 1.0)
+  assert not bool(metrics["last_applied"])
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat)), before)
+  nnx_step(model, optimizer, X, Y, 1.0)
+  after = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+  assert not np.array_equal(jax.tree.leaves(after)[0], jax.tree.leaves(before)[0])
 
 
 def test_flax_nnx_optimizer_with_batchnorm_and_dropout():

@@ -233,3 +233,8 @@ def test_a_haiku_style_step_skips_an_overflowed_step_bit_identically():
   applied = train_step(params, opt_state, loss_scale, small)
   assert not np.array_equal(applied[0]["w"], params["w"])
   assert int(applied[1][0].count) == 2 and int(applied[2].counter) == 2
+
+
+def test_half_dtype_makes_a_half_precision_scalar_as_jmps():
+  # jmp's README: jmp.DynamicLossScale(jmp.half_dtype()(2 ** 15)); it was a NumPy dtype.
+  assert float(jmp.DynamicLossScale(jmp.half_dtype()(2**15)).loss_scale) == 2**15
