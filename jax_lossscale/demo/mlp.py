@@ -2,12 +2,13 @@
 
 A character-level MLP language model learns the documentation text that ships with
 Python (`pydoc_data.topics`, about 465k characters) with a large batch, where each
-example's share of the mean loss is tiny. Four runs with the same seed and data order:
+example's share of the mean loss is tiny. Five runs with the same seed and data order:
 
 1. float32 (the reference),
 2. float16 compute without loss scaling: small gradients underflow to zero,
 3. float16 with a `FixedLossScale` picked by `recommend_loss_scale`,
-4. float16 with a `DynamicLossScale`.
+4. float16 with a `DynamicLossScale`,
+5. float16 with a `MeasuredLossScale`, set from probes at every layer.
 
 It prints a table (final held-out loss and accuracy, skipped steps, final scale,
 fraction of gradient values lost to float16 underflow) and writes a PNG plot.
@@ -170,7 +171,7 @@ def fixed_scale_for(data: Text, config: Config) -> float:
 
 
 def run_all(config: Config, progress: bool = True) -> list[RunResult]:
-  """The four runs of the demo, evaluated."""
+  """The five runs of the demo, evaluated."""
   data = Text.load()
   fixed = fixed_scale_for(data, config)
   plan = [
@@ -181,6 +182,7 @@ def run_all(config: Config, progress: bool = True) -> list[RunResult]:
       # skipping a step and backing off within the demo's 150 steps.
       ("float16, DynamicLossScale(increment_period=10)", jnp.float16,
        jls.DynamicLossScale(increment_period=10)),
+      ("float16, MeasuredLossScale()", jnp.float16, jls.MeasuredLossScale()),
   ]
   return [evaluate(train(name, data, config, dtype, ls, progress), data, config, dtype)
           for name, dtype, ls in plan]
