@@ -13,9 +13,9 @@ from typing import Any
 import jax
 import optax
 
-from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale import diagnostics
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._transform import COUNTS
 from jax_lossscale._transform import LossScalingState
@@ -174,10 +174,10 @@ def _where(probes: Any) -> str:
   if probes is None:
     return ("To find where: scaled_value_and_grad(..., probes=True), or "
             "jax_lossscale.diagnostics.nonfinite_leaf_paths(nonfinite_leaves(grads)).")
-  forward = _probes.forward_nonfinite_origin(probes)
+  forward = diagnostics.forward_nonfinite_origin(probes)
   if forward is not None:
     return f"Where: the forward output of {forward!r} was the first that was not finite."
-  backward = _probes.backward_overflow_origin(probes)
+  backward = diagnostics.backward_overflow_origin(probes)
   if backward is not None:
     return f"Where: the overflow began in the backward pass of {backward!r}."
   return "Where: every probed activation gradient was finite; the parameter gradients were not."

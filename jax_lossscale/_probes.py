@@ -11,7 +11,6 @@ input of the probe (no host callback)::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -123,6 +122,9 @@ _SESSION = jax.make_user_context(None)
 class _Discovery:
   """First pass: records each probe's name and length, in forward order."""
   lengths: dict[str, int | None]
+  # What probes returned (by id, kept alive): a tensor already probed is not probed again,
+  # as a module's output that is its last submodule's.
+  returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
   def probe(self, x, name, index, length):
     del index
@@ -136,6 +138,7 @@ class _Discovery:
 class _Measurement:
   """Second pass: each probe measures into its stats input."""
   stats: Mapping[str, tuple[jax.Array, jax.Array]]
+  returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
   def probe(self, x, name, index, length):
     if name not in self.stats:
@@ -151,7 +154,8 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
 
   Outside it, returns `x` itself and adds nothing to the program. A name reached
   several times (a layer applied twice, a `vmap` or `scan` inside the loss) sums its
-  hits. For one row per layer of a `lax.scan`, pass the layer's index and count::
+  hits; a tensor a probe already returned is not measured again under another name.
+  For one row per layer of a `lax.scan`, pass the layer's index and count::
 
       def body(h, layer):
         i, w = layer
@@ -172,9 +176,13 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
     raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
   if isinstance(index, int) and not 0 <= index < length:
     raise ValueError(f"probe {name!r}: index={index} is not in [0, length={length}).")
-  if not probing() or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+  session = _SESSION.value
+  if session is None or id(x) in session.returned or not jnp.issubdtype(
+      jnp.result_type(x), jnp.floating):
     return x
-  return _SESSION.value.probe(x, name, index, length)
+  out = session.probe(x, name, index, length)
+  session.returned.update({id(x): x, id(out): out})  # the same in both passes
+  return out
 
 
 def probing() -> bool:
@@ -194,22 +202,46 @@ _measure.defvjp(lambda x, stats: (x, x),  # the activation, measured with its gr
 
 @jax.jit  # traced once per shape, not once per probe
 def _measurements(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction."""
-  def operands(t):
-    magnitude, count = jnp.abs(t), lambda b: b.astype(jnp.int32)
-    return (jnp.where(jnp.isnan(t), jnp.inf, magnitude).astype(t.dtype), count(t == 0),
-            count((t != 0) & (magnitude < FLOAT16_SMALLEST_NORMAL)))
+  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction.
 
-  init = lambda t: (jnp.zeros((), t.dtype), jnp.int32(0), jnp.int32(0))
+  Read as bit patterns: the magnitude's bits are an integer that orders like the
+  magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
+  this step, whose float16 arithmetic it emulates element by element (benchmarks/
+  RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
+  """
+  operands, init = _bit_operands, _bit_init
   combine = lambda a, b: tuple(jnp.maximum(p, q) if i % 3 == 0 else p + q
                                for i, (p, q) in enumerate(zip(a, b, strict=True)))
   reduced = lax.reduce(operands(x) + operands(g), init(x) + init(g), combine,
                        tuple(range(x.ndim)))
-  maxima = [reduced[0].astype(jnp.float32), reduced[3].astype(jnp.float32)]
+  maxima = [_as_magnitude(reduced[i], x.dtype).astype(jnp.float32) for i in (0, 3)]
   fractions = [count.astype(jnp.float32) / x.size for count in reduced[1:3] + reduced[4:]]
   values = jnp.stack(maxima[:1] + fractions[:2] + maxima[1:] + fractions[2:])
   binade = lax.bitcast_convert_type(jnp.stack(maxima), jnp.int32) >> 23  # sign bit clear
   return values, jnp.where(jnp.arange(NUM_BINADES) == binade[:, None], 1.0, 0.0)
+
+
+def _bits(dtype) -> jnp.dtype:
+  return jnp.dtype(f"int{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _bit_operands(t):
+  ints = _bits(t.dtype)
+  bits = lax.bitcast_convert_type(t, ints) & jnp.iinfo(ints).max  # |t|'s bits
+  normal = lax.bitcast_convert_type(jnp.asarray(FLOAT16_SMALLEST_NORMAL, t.dtype), ints)
+  return bits, (bits == 0).astype(jnp.int32), ((bits != 0) & (bits < normal)).astype(jnp.int32)
+
+
+def _bit_init(t):
+  return jnp.zeros((), _bits(t.dtype)), jnp.int32(0), jnp.int32(0)
+
+
+def _as_magnitude(reduced: jax.Array, dtype) -> jax.Array:
+  """A reduced maximum as a magnitude of `dtype` (bits: NaN's become inf's)."""
+  if reduced.dtype == dtype:
+    return reduced
+  inf = lax.bitcast_convert_type(jnp.asarray(jnp.inf, dtype), reduced.dtype)
+  return lax.bitcast_convert_type(jnp.minimum(reduced, inf), dtype)
 
 
 def value_and_grad_with_probes(
@@ -292,52 +324,3 @@ def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:
   outside a `shard_map` in the loss, they are summed over its devices already.)
   """
   return lax.psum(probes, axis_name)
-
-
-def summarize(probes: Probes) -> dict[str, ProbeSummary]:
-  """Each probe's `ProbeSummary`, in forward order, as numpy arrays on the host."""
-  return jax.device_get({name: probes[name] for name in probes})
-
-
-def headroom(probes: Probes) -> dict[str, np.ndarray]:
-  """Each probe's `ProbeSummary.headroom`: doublings of the loss scale left."""
-  return {name: summary.headroom for name, summary in summarize(probes).items()}
-
-
-def backward_overflow_origin(probes: Probes) -> str | None:
-  """The probe whose backward pass made the first non-finite gradient, or None.
-
-  Gradients flow from the loss back, so the first non-finite one is at the non-finite
-  backward probe nearest the loss (the last in forward order). It was computed by the
-  backward pass of what consumed that activation: the next probe in forward order,
-  named here (`LOSS` after the last). A scanned probe's row is `"name[row]"`.
-  """
-  order = _in_forward_order(probes)
-  bad = [i for i, (_, summary) in enumerate(order) if not summary.backward.finite.all()]
-  return ([where for where, _ in order] + [LOSS])[bad[-1] + 1] if bad else None
-
-
-def forward_nonfinite_origin(probes: Probes) -> str | None:
-  """The first probe, in forward order, whose activation was not finite, or None."""
-  return next((where for where, summary in _in_forward_order(probes)
-               if not summary.forward.finite.all()), None)
-
-
-def _in_forward_order(probes: Probes) -> list[tuple[str, ProbeSummary]]:
-  """(name, or "name[row]", summary) in forward order.
-
-  Consecutive probes with the same length are taken for one scan body's, whose rows
-  interleave: a[0], b[0], a[1], b[1], ... (rows in index order).
-  """
-  summaries, order = summarize(probes), []
-  row = lambda summary, r: jax.tree.map(lambda a: a[..., r], summary)
-  runs = itertools.groupby(zip(probes.names, probes.lengths, strict=True),
-                           key=lambda name_length: name_length[1] or name_length[0])
-  for length, run in runs:  # `length` is the name itself for an unscanned probe
-    names = [name for name, _ in run]
-    if isinstance(length, str):
-      order.append((length, summaries[length]))
-    else:
-      order += [(f"{name}[{r}]", row(summaries[name], r)) for r in range(length)
-                for name in names]
-  return order

@@ -13,6 +13,7 @@ Three failure modes look alike from the outside ("loss scale already at minimum"
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -24,22 +25,19 @@ import numpy as np
 from jax_lossscale import _finite
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
+from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._probes import LOSS
 from jax_lossscale._probes import Probes
 from jax_lossscale._probes import ProbeSummary
 from jax_lossscale._probes import TensorSummary
-from jax_lossscale._probes import backward_overflow_origin
-from jax_lossscale._probes import forward_nonfinite_origin
-from jax_lossscale._probes import headroom
 from jax_lossscale._probes import probe
-from jax_lossscale._probes import summarize
 
 __all__ = ("LOSS", "LossScaleAdvice", "ProbeSummary", "Probes", "TensorSummary",
            "backward_overflow_origin", "forward_nonfinite_origin", "gradient_stats", "headroom",
-           "nonfinite_leaf_paths", "nonfinite_leaves", "probe", "recommend_loss_scale",
-           "summarize", "table")
+           "layers", "nonfinite_leaf_paths", "nonfinite_leaves", "probe",
+           "recommend_loss_scale", "summarize", "table")
 
 
 def nonfinite_leaves(tree: Any) -> Any:
@@ -241,6 +239,60 @@ def _power_of_two(exponent: int) -> float:
   return math.ldexp(1.0, min(max(exponent, -126), 127))
 
 
+# --- reading probes -------------------------------------------------------------------
+
+
+def summarize(probes: Probes) -> dict[str, ProbeSummary]:
+  """Each probe's `ProbeSummary`, in forward order, as numpy arrays on the host."""
+  # A list: `device_get` of a dict would sort the names.
+  return dict(zip(probes.names, jax.device_get([probes[name] for name in probes]), strict=True))
+
+
+def headroom(probes: Probes) -> dict[str, np.ndarray]:
+  """Each probe's `ProbeSummary.headroom`: doublings of the loss scale left."""
+  return {name: summary.headroom for name, summary in summarize(probes).items()}
+
+
+def backward_overflow_origin(probes: Probes) -> str | None:
+  """The probe whose backward pass made the first non-finite gradient, or None.
+
+  Gradients flow from the loss back, so the first non-finite one is at the non-finite
+  backward probe nearest the loss (the last in forward order). It was computed by the
+  backward pass of what consumed that activation: the next probe in forward order,
+  named here (`LOSS` after the last). A scanned probe's row is `"name[row]"`.
+  """
+  order = layers(probes)
+  bad = [i for i, (_, summary) in enumerate(order) if not summary.backward.finite.all()]
+  return ([where for where, _ in order] + [_probes.LOSS])[bad[-1] + 1] if bad else None
+
+
+def forward_nonfinite_origin(probes: Probes) -> str | None:
+  """The first probe, in forward order, whose activation was not finite, or None."""
+  return next((where for where, summary in layers(probes)
+               if not summary.forward.finite.all()), None)
+
+
+def layers(probes: Probes) -> list[tuple[str, ProbeSummary]]:
+  """`(name, summary)` for every probe in forward order, one per row of a scanned probe
+  (named `"name[row]"`), as numpy arrays on the host.
+
+  Consecutive probes with the same length are taken for one scan body's, whose rows
+  interleave: a[0], b[0], a[1], b[1], ... (rows in index order).
+  """
+  summaries, order = summarize(probes), []
+  row = lambda summary, r: jax.tree.map(lambda a: a[..., r], summary)
+  runs = itertools.groupby(zip(probes.names, probes.lengths, strict=True),
+                           key=lambda name_length: name_length[1] or name_length[0])
+  for length, run in runs:  # `length` is the name itself for an unscanned probe
+    names = [name for name, _ in run]
+    if isinstance(length, str):
+      order.append((length, summaries[length]))
+    else:
+      order += [(f"{name}[{r}]", row(summaries[name], r)) for r in range(length)
+                for name in names]
+  return order
+
+
 def table(probes: Probes) -> str:
   """The probes' measurements, one line per layer in forward order, as text.
 
@@ -252,7 +304,7 @@ def table(probes: Probes) -> str:
   header = (f"{'layer':<28s} {'max |grad|':>11s} {'headroom':>8s} {'subnormal':>9s} "
             f"{'zero':>6s} {'max |act|':>10s}")
   lines = [header, "-" * len(header)]
-  for name, s in summarize(probes).items():
+  for name, s in layers(probes):
     g, f = s.backward, s.forward
     subnormal, zero = (100 * float(np.mean(x)) for x in (g.subnormal_fraction, g.zero_fraction))
     lines.append(f"{name[:28]:<28s} {float(np.max(g.max_abs)):11.3g} "

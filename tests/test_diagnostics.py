@@ -230,3 +230,16 @@ def test_advisor_rejects_bad_headroom(headroom):
 def test_advisor_needs_some_signal():
   with pytest.raises(ValueError, match="no finite non-zero value"):
     jls.diagnostics.recommend_loss_scale({"g": jnp.zeros(3)})
+
+
+def test_probe_read_outs_keep_the_forward_order():
+  # `jax.device_get` of a dict sorts its keys: "zeta" came before "alpha".
+  def loss_fn(x):
+    return jnp.sum(jls.diagnostics.probe(jls.diagnostics.probe(x, "zeta") * 2, "alpha"))
+
+  state = jls.loss_scaling(optax.sgd(0.1)).init({})
+  _, _, probes = jls.scaled_value_and_grad(loss_fn, probes=True)(state, jnp.ones(3))
+  assert list(jls.diagnostics.summarize(probes)) == ["zeta", "alpha"]
+  assert [name for name, _ in jls.diagnostics.layers(probes)] == ["zeta", "alpha"]
+  lines = jls.diagnostics.table(probes).splitlines()[2:]
+  assert [line.split()[0] for line in lines] == ["zeta", "alpha"]

@@ -14,6 +14,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr
 
 from jax_lossscale import _probes as pr
+from jax_lossscale import diagnostics
 
 HERE = pathlib.Path(__file__).parent
 F16 = jnp.float16
@@ -66,8 +67,8 @@ def test_probes_leave_the_value_and_the_gradients_exactly_unchanged(maybe_jit):
   ref_value, ref_grads = jax.value_and_grad(mlp)(PARAMS, X)
   chex.assert_trees_all_equal((value, grads), (ref_value, ref_grads))
   assert list(probes) == ["layer_0", "layer_1", "layer_2", "layer_3"]
-  assert pr.backward_overflow_origin(probes) is None
-  assert pr.forward_nonfinite_origin(probes) is None
+  assert diagnostics.backward_overflow_origin(probes) is None
+  assert diagnostics.forward_nonfinite_origin(probes) is None
 
 
 def test_without_measurement_probe_returns_its_input_and_the_program_has_no_probes():
@@ -115,7 +116,7 @@ def test_backward_measurements_of_a_crafted_gradient_are_exact():
 def test_forward_measurements_of_a_crafted_activation_are_exact():
   a = jnp.array([jnp.nan, 0.0, -300.0, 2.0**-16, jnp.inf], F16)
   probes = with_probes(injected(jnp.ones(5, F16), forward=a))(jnp.ones(5, F16))[2]
-  fwd = pr.summarize(probes)["p"].forward
+  fwd = diagnostics.summarize(probes)["p"].forward
   assert float(fwd.max_abs) == np.inf and not fwd.finite  # NaN counts as inf
   assert (float(fwd.zero_fraction), float(fwd.subnormal_fraction)) == (
       np.float32(1 / 5), np.float32(1 / 5))
@@ -126,7 +127,7 @@ def test_forward_measurements_of_a_crafted_activation_are_exact():
     (0.0, np.inf), (np.inf, -np.inf)])
 def test_headroom_counts_the_doublings_before_float16_overflows(largest, doublings):
   g = jnp.array([largest, 0.0], F16)
-  assert pr.headroom(with_probes(injected(g))(jnp.ones(2, F16))[2])["p"] == doublings
+  assert diagnostics.headroom(with_probes(injected(g))(jnp.ones(2, F16))[2])["p"] == doublings
 
 
 # --- cotangents add up --------------------------------------------------------------
@@ -139,7 +140,7 @@ def twice(w, x):
 
 def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution():
   _, _, probes = with_probes(twice)(jnp.float32(1.0), jnp.array([0.5, 0.0]))
-  summary = pr.summarize(probes)["shared"]
+  summary = diagnostics.summarize(probes)["shared"]
   values, binades = probes.encoded[0]
   assert float(values[1]) == 1.0 and float(binades.sum()) == 4  # sums: 1/2 + 1/2, 2 x 2
   assert summary.hits == 2 and summary.forward.zero_fraction == 0.5  # x[1] = 0 each time
@@ -152,7 +153,7 @@ def test_vmap_inside_the_loss_sums_over_the_examples():
     return jnp.sum(jax.vmap(lambda x: pr.probe(x * w, "per_example"))(xs) ** 2)
 
   xs = jnp.array([[1.0, 0.0], [0.0, 0.0], [2.0, 1.0]])
-  summary = pr.summarize(with_probes(loss)(jnp.float32(1.0), xs)[2])["per_example"]
+  summary = diagnostics.summarize(with_probes(loss)(jnp.float32(1.0), xs)[2])["per_example"]
   assert summary.hits == 3 and summary.forward.zero_fraction == 0.5
   assert summary.backward.max_abs == 4.0
 
@@ -176,8 +177,8 @@ def scanned(ws, x, index=True):
 
 
 def test_a_probe_in_a_scan_over_layers_gives_one_row_per_layer():
-  rows = pr.summarize(with_probes(scanned)(jnp.stack(PARAMS), X)[2])["block"]
-  unrolled = pr.summarize(with_probes(mlp)(PARAMS, X)[2])
+  rows = diagnostics.summarize(with_probes(scanned)(jnp.stack(PARAMS), X)[2])["block"]
+  unrolled = diagnostics.summarize(with_probes(mlp)(PARAMS, X)[2])
   assert list(rows.hits) == [1, 1, 1, 1]
   for i in range(4):  # each row holds its own layer's measurements
     layer = unrolled[f"layer_{i}"]
@@ -223,22 +224,22 @@ def test_an_overflow_in_layer_2_backward_pass_is_named_layer_2():
   _, grads, probes = with_probes(lambda p, x: mlp(p, x, overflow_at=2))(PARAMS, X)
   assert not np.isfinite(np.asarray(grads[0])).all()
   # The first non-finite gradient is layer_1's; layer 2's backward computed it.
-  assert not pr.summarize(probes)["layer_1"].backward.finite
-  assert pr.summarize(probes)["layer_2"].backward.finite
-  assert pr.backward_overflow_origin(probes) == "layer_2"
-  assert pr.forward_nonfinite_origin(probes) is None
+  assert not diagnostics.summarize(probes)["layer_1"].backward.finite
+  assert diagnostics.summarize(probes)["layer_2"].backward.finite
+  assert diagnostics.backward_overflow_origin(probes) == "layer_2"
+  assert diagnostics.forward_nonfinite_origin(probes) is None
 
 
 def test_an_overflow_after_the_last_probe_is_named_the_loss():
   def loss(p, x):
     return jnp.sum(scale_backward(mlp(p, x), jnp.float32(jnp.inf)))
 
-  assert pr.backward_overflow_origin(with_probes(loss)(PARAMS, X)[2]) == pr.LOSS
+  assert diagnostics.backward_overflow_origin(with_probes(loss)(PARAMS, X)[2]) == pr.LOSS
 
 
 def test_a_nan_produced_in_layer_1_forward_pass_is_the_first_nonfinite_forward_layer():
   _, _, probes = with_probes(lambda p, x: mlp(p, x, nan_at=1))(PARAMS, X)
-  assert pr.forward_nonfinite_origin(probes) == "layer_1"
+  assert diagnostics.forward_nonfinite_origin(probes) == "layer_1"
 
 
 def test_an_overflow_in_the_third_scanned_layer_is_named_by_its_row():
@@ -251,7 +252,7 @@ def test_an_overflow_in_the_third_scanned_layer_is_named_by_its_row():
     return jnp.sum(lax.scan(body, x, (jnp.arange(4), ws))[0])
 
   probes = with_probes(loss)(jnp.stack(PARAMS), X)[2]
-  assert pr.backward_overflow_origin(probes) == "block[2]"
+  assert diagnostics.backward_overflow_origin(probes) == "block[2]"
 
 
 # --- threading through the differentiation transforms ---------------------------------
@@ -293,7 +294,7 @@ def test_probe_arguments_are_checked(kwargs, match):
 
 def test_one_name_used_with_two_lengths_is_refused():
   def loss(w):
-    return jnp.sum(pr.probe(w, "p") + pr.probe(w, "p", index=0, length=2))
+    return jnp.sum(pr.probe(w, "p") + pr.probe(2 * w, "p", index=0, length=2))
 
   with pytest.raises(ValueError, match="probe 'p'.*length=2.*length=None"):
     with_probes(loss)(jnp.ones(2))
@@ -330,14 +331,15 @@ def multidevice_cases():
   probes, whole = sharded(PARAMS, xs), with_probes(mlp)(PARAMS, xs)[2]
   assert int(probes["layer_0"].hits) == 8
   # Each device's loss is a mean over 16 elements instead of 128: gradients 8 times larger.
-  assert pr.headroom(probes) == {n: h - 3 for n, h in pr.headroom(whole).items()}
+  assert diagnostics.headroom(probes) == {n: h - 3 for n, h in diagnostics.headroom(whole).items()}
 
   def sharded_loss(params, x):  # probes outside: the transposition sums the devices
     shard = partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
     return shard(lambda p, x: lax.pmean(mlp(p, x), "data"))(params, x)
 
   probes = jax.jit(with_probes(sharded_loss))(PARAMS, xs)[2]
-  assert int(probes["layer_0"].hits) == 8 and pr.headroom(probes) == pr.headroom(whole)
+  headroom = diagnostics.headroom
+  assert int(probes["layer_0"].hits) == 8 and headroom(probes) == headroom(whole)
 
   def pmapped(params, x):
     return pr.all_reduce_probes(with_probes(mlp)(params, x)[2], "data")
@@ -345,5 +347,31 @@ def multidevice_cases():
   probes = jax.pmap(pmapped, axis_name="data", in_axes=(None, 0))(PARAMS, xs.reshape(8, 2, 8))
   assert list(np.asarray(probes["layer_0"].hits)) == [8] * 8
   on_device_0 = jax.tree.map(lambda leaf: leaf[0], probes)
-  assert pr.headroom(on_device_0) == {n: h - 3 for n, h in pr.headroom(whole).items()}
+  assert headroom(on_device_0) == {n: h - 3 for n, h in headroom(whole).items()}
   print("8 devices: ok")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
+  # The bit-pattern kernel (half the cost of float compares on CPU) changes no number.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 33, 5)) * 10.0 ** rng.integers(-9, 4, size=(6, 33, 5))
+  x[0, 0, :2], x[1, 2, 3], x[2, 2, 2] = 0.0, np.inf, 2.0**-20  # zeros, inf, a subnormal
+  x, g = jnp.asarray(x, dtype), jnp.asarray(x[::-1] * 1e-3, dtype).at[3, 1, 1].set(jnp.nan)
+  for t in (x, g):
+    bits, zeros, subnormal = pr._bit_operands(t)
+    magnitude = np.where(np.isnan(np.float32(t)), np.inf, np.abs(np.float32(t)))
+    np.testing.assert_array_equal(np.float32(pr._as_magnitude(bits, t.dtype)), magnitude)
+    np.testing.assert_array_equal(zeros, magnitude == 0)
+    np.testing.assert_array_equal(subnormal, (magnitude > 0) & (magnitude < 2.0**-14))
+
+
+def test_a_tensor_already_probed_is_not_measured_again():
+  # A module whose output is its last submodule's (an attention block returning its
+  # output projection) would measure the same tensor twice.
+  def loss(x):
+    inner = pr.probe(x * 2, "inner")
+    return jnp.sum(pr.probe(inner, "outer") ** 2)
+
+  _, _, probes = pr.value_and_grad_with_probes(jax.value_and_grad, loss)(jnp.ones(3))
+  assert list(probes) == ["inner"]

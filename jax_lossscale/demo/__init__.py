@@ -1,7 +1,9 @@
 """Demos of float16 training with and without loss scaling: `python -m jax_lossscale.demo`.
 
 `--model mlp` (the default) trains a character-level MLP language model four times (see
-`jax_lossscale.demo.mlp`); the other options are that demo's. Needs the `demo` extra.
+`jax_lossscale.demo.mlp`); `--model transformer` a small transformer language model,
+reading its backward pass layer by layer (see `jax_lossscale.demo.transformer`). The
+other options are the chosen demo's. Needs the `demo` extra.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-MODELS = ("mlp",)
+MODELS = ("mlp", "transformer")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -20,3 +22,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from jax_lossscale.demo import mlp
 
     mlp.main(rest)
+  elif args.model == "transformer":
+    from jax_lossscale.demo import transformer
+
+    transformer.main(rest)

@@ -1,0 +1,349 @@
+"""The transformer demo: which layers lose gradient signal to float16, and the scale that fits.
+
+`python -m jax_lossscale.demo --model transformer`: a small flax NNX transformer language
+model (ALiBi, pre-layer-norm blocks run by `nnx.scan`), float32 master weights, trained on
+Python's bundled documentation in float32, in float16 without loss scaling, with
+`DynamicLossScale()` and with `MeasuredLossScale(margin=1)` (set from probes on every
+module's output). Prints the per-layer table of the last run's trained model, the held-out
+losses over seeds, and plots each layer's headroom. Needs the `demo` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jax_lossscale as jls
+from jax_lossscale.demo.text import Text
+
+FLOAT32 = jls.get_policy("p=f32,c=f32,o=f32")
+FLOAT16 = jls.get_policy("p=f32,c=f16,o=f32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Model and training sizes. `batch` sequences of `context` tokens make one step's mean
+  loss, so each token's share of the logits' gradient is below float16's smallest normal."""
+
+  steps: int = 100
+  batch: int = 384
+  context: int = 64
+  width: int = 64
+  heads: int = 4
+  layers: int = 2
+  learning_rate: float = 1.5e-2
+  b2: float = 0.95
+  seeds: tuple[int, ...] = (0,)
+
+
+def alibi(heads: int, length: int) -> jax.Array:
+  """Causal ALiBi biases, float32 `[heads, length, length]`: -slope * distance, -inf ahead."""
+  slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads)
+  distance = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+  return jnp.where(distance >= 0, -slopes[:, None, None] * distance, -jnp.inf)
+
+
+def _constructors(policy: jls.Policy, rngs: nnx.Rngs):
+  """`nnx.Linear`, `nnx.LayerNorm` and `nnx.Embed`, in `policy`'s dtypes."""
+  dtypes = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype, "rngs": rngs}
+  return (functools.partial(module, **dtypes) for module in (nnx.Linear, nnx.LayerNorm, nnx.Embed))
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention; the softmax in float32."""
+
+  def __init__(self, config: Config, dense):
+    self.heads = config.heads
+    self.qkv = dense(config.width, 3 * config.width, use_bias=False)
+    self.out = dense(config.width, config.width)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, width = x.shape
+    q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.heads, -1), 3, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(width // self.heads)
+    weights = jax.nn.softmax(scores.astype(jnp.float32) + alibi(self.heads, t)).astype(x.dtype)
+    return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, width))
+
+
+class Block(nnx.Module):
+  """A pre-layer-norm transformer block: attention, then a GELU MLP, each residual."""
+
+  def __init__(self, config: Config, policy: jls.Policy, rngs: nnx.Rngs):
+    dense, norm, _ = _constructors(policy, rngs)
+    self.norm_1, self.norm_2 = norm(config.width), norm(config.width)
+    self.attention = Attention(config, dense)
+    self.up = dense(config.width, 4 * config.width)
+    self.down = dense(4 * config.width, config.width)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attention(self.norm_1(x))
+    return x + self.down(nnx.gelu(self.up(self.norm_2(x))))
+
+
+class TransformerLM(nnx.Module):
+  """Token embedding, `layers` stacked blocks, a final norm and the vocabulary head."""
+
+  def __init__(self, config: Config, vocab: int, policy: jls.Policy, rngs: nnx.Rngs):
+    self.policy = policy
+    dense, norm, embed = _constructors(policy, rngs)
+    self.embed = embed(vocab, config.width)
+
+    @nnx.split_rngs(splits=config.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return Block(config, policy, rngs)
+
+    self.blocks = blocks(rngs)
+    self.norm, self.head = norm(config.width), dense(config.width, vocab)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, block):
+      return block(h)
+
+    return self.policy.cast_to_output(self.head(self.norm(run(self.embed(tokens), self.blocks))))
+
+
+def loss_fn(model: TransformerLM, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy (nats) over every position, reduced in float32."""
+  logits = model(tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def init(config: Config, vocab: int, policy: jls.Policy, loss_scale: jls.LossScale,
+         seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+  """`nnx.split((model, optimizer))`: Adam (clipped at norm 1) inside `loss_scaling`."""
+  model = TransformerLM(config, vocab, policy, nnx.Rngs(seed))
+  tx = jls.loss_scaling(optax.adam(config.learning_rate, b2=config.b2), loss_scale,
+                        clip_by_global_norm=1.0)
+  return nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+
+def make_step(graphdef: nnx.GraphDef, probes: bool):
+  """The jitted step `(state, tokens) -> (state, logs)`, donating the state. `logs`: the
+  loss, the scale used, the largest parameter gradient (unscaled), `jls.metrics` after the
+  update and, with `probes`, the backward pass's measurements (the loss scale gets them)."""
+  grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad,
+                                      probes=probes)
+
+  def step(state, tokens):
+    model, optimizer = nnx.merge(graphdef, state)
+    scale = jls.metrics(optimizer)["loss_scale"]
+    loss, grads, *measured = grad_fn(optimizer.opt_state, model, tokens)
+    optimizer.update(model, grads, loss=loss, probes=measured[0] if measured else None)
+    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)]))
+    logs = {"loss": loss, "scale": scale, "param_max": largest / scale,
+            **jls.metrics(optimizer), **({"probes": measured[0]} if measured else {})}
+    return nnx.state((model, optimizer)), logs
+
+  return jax.jit(step, donate_argnums=0)
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What one training run produced; `logs` holds one array per logged value, by step."""
+
+  name: str
+  seed: int
+  params: nnx.State
+  logs: dict
+  eval_loss: float = float("nan")
+  underflow: float = float("nan")
+  subnormal: float = float("nan")
+
+  @property
+  def skipped(self) -> int:
+    return int((~self.logs["last_applied"]).sum())
+
+  @property
+  def final_scale(self) -> float:
+    return float(self.logs["loss_scale"][-1])
+
+
+def train(name: str, data: Text, config: Config, policy: jls.Policy,
+          loss_scale: jls.LossScale, seed: int, progress: bool = True) -> RunResult:
+  """Trains from the seed's initial weights and data order, shared by every run."""
+  graphdef, state = init(config, data.vocab, policy, loss_scale, seed)
+  step = make_step(graphdef, probes=isinstance(loss_scale, jls.MeasuredLossScale))
+  starts = data.train_starts(seed, config.steps, config.batch, config.context + 1)
+  steps = range(config.steps)
+  if progress:
+    from tqdm.auto import tqdm
+
+    steps = tqdm(steps, desc=f"{name:>37s} (seed {seed})", unit="step", leave=True)
+  history = []
+  for i in steps:
+    state, logs = step(state, data.windows(starts[i], config.context + 1))
+    history.append(logs)  # stays on device: no host round-trip per step
+  model, _ = nnx.merge(graphdef, state)
+  logs = jax.tree.map(lambda *xs: np.stack(xs), *jax.device_get(history))
+  return RunResult(name, seed, nnx.state(model, nnx.Param), logs)
+
+
+def with_params(params: nnx.State, config: Config, vocab: int,
+                policy: jls.Policy) -> TransformerLM:
+  """A model computing in `policy`'s dtypes, holding `params`."""
+  model = TransformerLM(config, vocab, policy, nnx.Rngs(0))
+  nnx.update(model, params)
+  return model
+
+
+def held_out(data: Text, config: Config, seed: int) -> jax.Array:
+  """A training batch's worth of held-out sequences (so gradients have its magnitudes)."""
+  return data.windows(data.eval_starts(seed, config.batch, config.context + 1),
+                      config.context + 1)
+
+
+@nnx.jit(static_argnums=2)
+def _eval_metrics(model: TransformerLM, tokens: jax.Array, dtype, scale: jax.Array) -> tuple:
+  logits = model(tokens[:, :-1])
+  loss = lambda z: optax.softmax_cross_entropy_with_integer_labels(z, tokens[:, 1:]).mean()
+  stats = jls.diagnostics.gradient_stats(jax.grad(loss)(logits), dtype, scale)
+  return loss(logits), stats["underflow_fraction"], stats["subnormal_fraction"]
+
+
+def evaluate(run: RunResult, data: Text, config: Config, policy: jls.Policy) -> RunResult:
+  """Held-out loss (float32 compute), and the fractions of d(mean loss)/d(logits) =
+  (softmax - onehot) / tokens, where the backward pass enters the float16 model, that
+  underflow to zero and that are subnormal at the run's final scale (`gradient_stats`)."""
+  model = with_params(run.params, config, data.vocab, FLOAT32)
+  run.eval_loss, run.underflow, run.subnormal = map(float, _eval_metrics(
+      model, held_out(data, config, run.seed), policy.compute_dtype, jnp.float32(run.final_scale)))
+  return run
+
+
+def layer_rows(model: TransformerLM, tokens: jax.Array, scale: float) -> list[tuple]:
+  """One backward pass of `model` at `scale`: `(layer, max |grad|, headroom, subnormal
+  fraction, zero fraction)` of each activation gradient (stacked blocks by row, in
+  forward order), then of the parameter gradients."""
+  opt_state = jls.loss_scaling(optax.identity(), jls.FixedLossScale(scale)).init(
+      nnx.state(model, nnx.Param))
+  grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad, probes=True)
+  _, grads, probes = nnx.jit(grad_fn)(opt_state, model, tokens)
+  rows = [(name, float(s.backward.max_abs), float(s.headroom),
+           float(s.backward.subnormal_fraction), float(s.backward.zero_fraction))
+          for name, s in jls.diagnostics.layers(probes)]
+  g = np.concatenate([np.abs(np.ravel(x)) for x in jax.tree.leaves(jax.device_get(grads))])
+  return rows + [("parameter gradients", float(g.max()),
+                  float(np.floor(np.log2(65504) - np.log2(g.max()))),
+                  float(np.mean((g > 0) & (g < 2**-14))), float(np.mean(g == 0)))]
+
+
+def plan() -> list[tuple[str, jls.Policy, jls.LossScale]]:
+  """The four runs of each seed: name, precision policy, loss scale."""
+  return [("float32", FLOAT32, jls.NoOpLossScale()),
+          ("float16, no loss scaling", FLOAT16, jls.NoOpLossScale()),
+          ("float16, DynamicLossScale()", FLOAT16, jls.DynamicLossScale()),
+          # margin=1: with none, a gradient above the last 16 steps' skips (1-2 in 100 here).
+          ("float16, MeasuredLossScale(margin=1)", FLOAT16, jls.MeasuredLossScale(margin=1))]
+
+
+def run_all(config: Config, progress: bool = True) -> list[list[RunResult]]:
+  """Every seed's four runs, evaluated: `runs[seed][run]`."""
+  data = Text.load()
+  return [[evaluate(train(name, data, config, policy, ls, seed, progress), data, config, policy)
+           for name, policy, ls in plan()] for seed in config.seeds]
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+  """`mean`, or `mean ± half the range` over seeds."""
+  mean, half = format(np.mean(values), fmt), format(np.ptp(values) / 2, fmt.lstrip("+"))
+  return mean if len(values) == 1 else f"{mean} ± {half}"
+
+
+def format_layers(at_one: Sequence[tuple], at_scale: Sequence[tuple], scale: float) -> str:
+  """`layer_rows` at scale 1 and at `scale`, side by side."""
+  side = f"{'headroom':>8s} {'subnormal':>9s} {'zero':>6s}"
+  header = f"{'layer':<28s} {'max |grad|':>10s}   {side}   {side}"
+  lines = [f"{'':<28s} {'at scale 1':>10s}   {'at scale 1':^25s}   "
+           f"{f'at scale 2**{np.log2(scale):.0f}':^25s}", header, "-" * len(header)]
+  for one, scaled in zip(at_one, at_scale, strict=True):
+    cells = [f"{h:8.0f} {100 * sub:8.1f}% {100 * z:5.1f}%" for *_, h, sub, z in (one, scaled)]
+    lines.append(f"{one[0][:28]:<28s} {one[1]:10.3g}   {cells[0]}   {cells[1]}")
+  return "\n".join(lines)
+
+
+def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
+  """Per run, over the seeds: held-out loss and its gap to float32 (mean ± half the
+  range), skipped steps and final scale (per seed), the logits' gradient underflowing and
+  subnormal (mean); then the held-out loss of MeasuredLossScale against DynamicLossScale."""
+  columns = list(zip(*runs, strict=True))
+  reference = np.array([r.eval_loss for r in columns[0]])
+  header = (f"{'run':<37s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
+            f"{'final scale':>13s} {'logit grads underflow / subnormal':>33s}")
+  lines = [header, "-" * len(header)]
+  for seeds in columns:
+    loss = np.array([r.eval_loss for r in seeds])
+    lines.append(f"{seeds[0].name:<37s} {_spread(loss, '.4f'):>15s} "
+                 f"{_spread(100 * (loss / reference - 1), '+.2f') + '%':>15s} "
+                 f"{'/'.join(str(r.skipped) for r in seeds):>7s} "
+                 f"{'/'.join(f'{r.final_scale:g}' for r in seeds):>13s} "
+                 f"{100 * np.mean([r.underflow for r in seeds]):22.2f}% / "
+                 f"{100 * np.mean([r.subnormal for r in seeds]):5.1f}%")
+  gap = [100 * (m.eval_loss / d.eval_loss - 1) for d, m in zip(*columns[2:], strict=True)]
+  lines.append(f"\nMeasuredLossScale vs DynamicLossScale, held-out loss: {_spread(gap, '+.2f')}%")
+  return "\n".join(lines)
+
+
+def plot(runs: Sequence[RunResult], path: str) -> None:
+  """Each layer's headroom at scale 1 over training (from the last probed run's probes)
+  and the parameter gradients', with log2 of every run's loss scale above 1."""
+  import matplotlib.pyplot as plt
+
+  plt.switch_backend("Agg")
+  fig, ax = plt.subplots(figsize=(11, 5.5))
+  probed = [r for r in runs if "probes" in r.logs][-1]
+  colors = iter(plt.get_cmap("tab20")(np.linspace(0, 1, 24)))
+  for name, s in jls.diagnostics.layers(probed.logs["probes"]):
+    ax.plot(np.asarray(s.headroom) + np.log2(probed.logs["scale"]), lw=0.9, color=next(colors),
+            label=name)
+  ax.plot(np.floor(np.log2(65504) - np.log2(probed.logs["param_max"])), lw=2.5, color="tab:red",
+          label="parameter gradients")
+  for r in runs:
+    if np.any(r.logs["scale"] != 1):
+      ax.plot(np.log2(r.logs["scale"]), lw=2.5, color="k", ls="--" if "Dynamic" in r.name else "-",
+              label=f"log2 scale: {r.name}")
+  ax.set(xlabel="step", ylabel="doublings", title=f"{probed.name}: each layer's headroom at "
+         "scale 1,\nand log2 of the loss scales (a scale above a line overflows there)")
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  d = Config()
+  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo --model transformer",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  for flag in ("steps", "batch", "context", "width", "layers"):
+    parser.add_argument(f"--{flag}", type=int, default=getattr(d, flag))
+  parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
+  parser.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds),
+                      help="one set of four runs per seed; losses are reported over seeds")
+  parser.add_argument("--out", default="transformer_demo.png", help="where to write the plot")
+  a = parser.parse_args(argv)
+  config = Config(a.steps, a.batch, a.context, a.width, layers=a.layers,
+                  learning_rate=a.learning_rate, seeds=tuple(a.seeds))
+  start, data, runs = time.perf_counter(), Text.load(), run_all(config)
+  run = runs[0][-1]
+  model = with_params(run.params, config, data.vocab, FLOAT16)
+  scale, tokens = run.final_scale, held_out(data, config, run.seed)
+  print(f"\nPer layer, the trained model of {run.name} (seed {run.seed}), one float16 "
+        f"backward pass on {config.batch}x{config.context} held-out tokens:\n")
+  print(format_layers(layer_rows(model, tokens, 1.0), layer_rows(model, tokens, scale), scale))
+  print(f"\nHeld-out loss, seeds {'/'.join(map(str, config.seeds))} ({config.steps} steps "
+        f"of {config.batch}x{config.context} tokens):\n")
+  print(format_runs(runs))
+  plot(runs[0], a.out)
+  print(f"\nPlot written to {a.out} ({time.perf_counter() - start:.0f} s in all, "
+        f"on {jax.devices()[0].platform.upper()}).")

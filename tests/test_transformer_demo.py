@@ -1,0 +1,116 @@
+"""The transformer demo: it runs end to end, and its probes read each layer's backward pass.
+
+Tiny sizes (a few steps of a few short sequences), so the whole file runs in seconds
+after compilation; the full demo's numbers are in the README.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_lossscale as jls
+from jax_lossscale import demo
+from jax_lossscale.demo import transformer
+from jax_lossscale.demo.text import Text
+
+pytestmark = pytest.mark.xdist_group("transformer_demo")  # the `data` fixture is loaded once
+
+TINY = transformer.Config(steps=3, batch=8, context=16, layers=3)
+
+
+@pytest.fixture(scope="module")
+def data():
+  return Text.load()
+
+
+@pytest.fixture(scope="module")
+def tokens(data):
+  return transformer.held_out(data, TINY, seed=0)
+
+
+@jax.custom_vjp
+def poison_backward(x, factor):
+  """The identity, whose gradient is multiplied by `factor` (inf: a NaN/inf in backward)."""
+  return x
+
+
+poison_backward.defvjp(lambda x, factor: (x, factor),
+                       lambda factor, g: (g * factor.astype(g.dtype), jnp.zeros_like(factor)))
+
+
+class Poisoned(nnx.Module):
+  """`inner`, whose backward pass is multiplied by `factor` (one value per stacked layer)."""
+
+  def __init__(self, inner, factor):
+    self.inner, self.factor = inner, nnx.Variable(factor)
+
+  def __call__(self, x):
+    return poison_backward(self.inner(x), self.factor[...])
+
+
+def probed_step(model, tokens, scale=1.0):
+  opt_state = jls.loss_scaling(optax.identity(), jls.FixedLossScale(scale)).init(
+      nnx.state(model, nnx.Param))
+  grad_fn = jls.scaled_value_and_grad(transformer.loss_fn, value_and_grad=nnx.value_and_grad,
+                                      probes=True)
+  return grad_fn(opt_state, model, tokens)
+
+
+def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(tmp_path, capsys):
+  out = tmp_path / "plot.png"
+  demo.main(["--model", "transformer", "--steps", "3", "--batch", "8", "--context", "16",
+             "--out", str(out)])
+  printed = capsys.readouterr().out
+  for layer in ["embed", "blocks/norm_1[0]", "blocks/attention/qkv[0]", "blocks/up[1]",
+                "blocks[1]", "norm", "head", "parameter gradients"]:
+    assert f"\n{layer} " in printed, layer
+  for run in ["float32", "float16, no loss scaling", "float16, DynamicLossScale()",
+              "float16, MeasuredLossScale(margin=1)", "MeasuredLossScale vs DynamicLossScale"]:
+    assert run in printed, run
+  assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probes_report_one_row_per_layer_for_every_transformer_block(data, tokens):
+  model = transformer.TransformerLM(TINY, data.vocab, transformer.FLOAT16, nnx.Rngs(0))
+  probes = probed_step(model, tokens)[2]
+  blocks = [name for name in probes if name.startswith("blocks")]
+  assert blocks == ["blocks/norm_1", "blocks/attention/qkv", "blocks/attention/out",
+                    "blocks/norm_2", "blocks/up", "blocks/down", "blocks"]  # attention: = out
+  for name in blocks:
+    assert np.asarray(probes[name].hits).tolist() == [1, 1, 1], name
+  assert [probes.lengths[probes.names.index(n)] for n in ("embed", "norm", "head")] == [None] * 3
+
+
+def test_a_nan_in_one_layers_backward_pass_is_named_as_that_layer(data, tokens):
+  model = transformer.TransformerLM(TINY, data.vocab, transformer.FLOAT16, nnx.Rngs(0))
+  model.blocks.up = Poisoned(model.blocks.up, jnp.array([1.0, jnp.inf, 1.0]))
+  loss, grads, probes = probed_step(model, tokens)
+  assert bool(jnp.isfinite(loss)) and not jls.all_finite(grads)
+  assert jls.diagnostics.forward_nonfinite_origin(probes) is None
+  assert jls.diagnostics.backward_overflow_origin(probes) == "blocks/up[1]"
+
+
+def test_float16_runs_losses_are_finite(data):
+  for name, policy, loss_scale in transformer.plan()[1:]:
+    run = transformer.evaluate(
+        transformer.train(name, data, TINY, policy, loss_scale, seed=0, progress=False),
+        data, TINY, policy)
+    assert np.isfinite(run.logs["loss"]).all() and np.isfinite(run.eval_loss), name
+
+
+def test_losses_over_seeds_are_reported_as_mean_and_half_the_range():
+  def run(name, loss, seed):
+    logs = {"last_applied": np.ones(3, bool), "loss_scale": np.full(3, 2.0**15)}
+    return transformer.RunResult(name, seed, None, logs, eval_loss=loss, underflow=0.0,
+                                 subnormal=0.25)
+
+  names = [name for name, *_ in transformer.plan()]
+  runs = [[run(n, loss, seed) for n, loss in zip(names, losses, strict=True)]
+          for seed, losses in enumerate([(2.0, 2.4, 2.02, 2.0), (2.2, 2.2, 2.2, 2.222)])]
+  table = transformer.format_runs(runs)
+  assert "2.1000 ± 0.1000" in table  # float32: (2.0 + 2.2) / 2, half the range
+  assert "+10.00 ± 10.00%" in table  # no loss scaling: +20% and 0% of float32
+  assert "32768/32768" in table and "0.00% /  25.0%" in table
