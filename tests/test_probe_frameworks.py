@@ -179,7 +179,7 @@ def test_nnx_trains_with_a_probe_on_every_module_and_one_row_per_stacked_block()
   assert losses[-1] < losses[0]
   assert list(probes) == ["embed", "blocks/linear", "blocks", "out"]  # the model's is out's
   assert list(np.asarray(probes["blocks"].hits)) == [1, 1, 1]
-  assert probes.lengths == (None, 3, 3, None, None)
+  assert probes.lengths == (None, 3, 3, None)
   # Nothing of the probes is left on the model or its classes.
   assert nnx.graphdef(model) == graphdef
   assert not hasattr(NnxBlock.__call__, "_probes_output")

@@ -1,6 +1,6 @@
 """Demos of float16 training with and without loss scaling: `python -m jax_lossscale.demo`.
 
-`--model mlp` (the default) trains a character-level MLP language model four times (see
+`--model mlp` (the default) trains a character-level MLP language model five times (see
 `jax_lossscale.demo.mlp`); `--model transformer` a small transformer language model,
 reading its backward pass layer by layer (see `jax_lossscale.demo.transformer`). The
 other options are the chosen demo's. Needs the `demo` extra.
