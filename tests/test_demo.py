@@ -16,13 +16,11 @@ import jax_lossscale as jls
 from jax_lossscale import demo
 from jax_lossscale.demo import mlp
 
-pytestmark = pytest.mark.xdist_group("fidelity")  # the `runs` fixture is computed once
-
 TOLERANCE = 0.01
 CONFIG = mlp.Config(steps=100, batch=8192, hidden=64, learning_rate=1e-2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # one worker runs the whole file (`--dist loadfile`)
 def runs():
   data = mlp.Text.load()
   plan = {"float32": (jnp.float32, jls.NoOpLossScale()),

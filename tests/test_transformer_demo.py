@@ -16,8 +16,6 @@ from jax_lossscale import demo
 from jax_lossscale.demo import transformer
 from jax_lossscale.demo.text import Text
 
-pytestmark = pytest.mark.xdist_group("transformer_demo")  # the `data` fixture is loaded once
-
 TINY = transformer.Config(steps=3, batch=8, context=16, layers=3)
 
 
@@ -56,7 +54,7 @@ def probed_step(model, tokens, scale=1.0):
       nnx.state(model, nnx.Param))
   grad_fn = jls.scaled_value_and_grad(transformer.loss_fn, value_and_grad=nnx.value_and_grad,
                                       probes=True)
-  return grad_fn(opt_state, model, tokens)
+  return nnx.jit(grad_fn)(opt_state, model, tokens)
 
 
 def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(
