@@ -43,6 +43,20 @@ def state_field() -> Any:
   return dataclasses.field(default=None, kw_only=True, metadata={"state": True})
 
 
+def set_fields(loss_scale: Any, checked: dict[str, Any], state: dict[str, tuple]) -> None:
+  """`__post_init__`'s work: sets the `checked` configuration, then each state field, to
+  its `initial` value when not given, else to the given value checked against
+  `(initial, dtype, low, high)`."""
+  for name, value in checked.items():
+    object.__setattr__(loss_scale, name, value)
+  for name, (initial, dtype, low, high) in state.items():
+    value = getattr(loss_scale, name)
+    # NumPy, not jax: building a loss scale must not initialise a JAX backend.
+    value = np.asarray(initial, dtype) if value is None else _validation.state_values(
+        name, value, dtype, low, high)
+    object.__setattr__(loss_scale, name, value)
+
+
 def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   """Makes `cls` a frozen dataclass and a pytree (`_trees.register_dataclass`), known to
   `deserialize` and to `jax.export` serialization.
@@ -287,20 +301,12 @@ class DynamicLossScale(LossScale):
   hysteresis_left: jax.Array = state_field()
 
   def __post_init__(self):
-    checked = _validation.dynamic_config({n: getattr(self, n) for n in self._static_names})
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
-    high = _numerics.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
-    state = {"current_loss_scale": (self.initial_loss_scale, np.float32,
-                                    self.min_loss_scale, high),
-             "num_good_steps": (0, np.int32, 0, self.increment_period - 1),
-             "hysteresis_left": (self.hysteresis, np.int32, 0, self.hysteresis)}
-    for name, (initial, dtype, low, high) in state.items():
-      value = getattr(self, name)
-      # NumPy, not jax: building a loss scale must not initialise a JAX backend.
-      value = np.asarray(initial, dtype) if value is None else _validation.state_values(
-          name, value, dtype, low, high)
-      object.__setattr__(self, name, value)
+    c = _validation.dynamic_config({n: getattr(self, n) for n in self._static_names})
+    high = _numerics.FLOAT32_MAX if c["max_loss_scale"] is None else c["max_loss_scale"]
+    set_fields(self, c, {
+        "current_loss_scale": (c["initial_loss_scale"], np.float32, c["min_loss_scale"], high),
+        "num_good_steps": (0, np.int32, 0, c["increment_period"] - 1),
+        "hysteresis_left": (c["hysteresis"], np.int32, 0, c["hysteresis"])})
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)

@@ -20,6 +20,7 @@ from jax_lossscale import _validation
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import loss_scale_dataclass
+from jax_lossscale._loss_scale import set_fields
 from jax_lossscale._loss_scale import state_field
 from jax_lossscale._loss_scale import with_state
 
@@ -112,17 +113,10 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
         "incr_ratio": v.growth_factor("incr_ratio", self.incr_ratio),
         "decr_ratio": v.shrink_factor("decr_ratio", self.decr_ratio),
     }
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
-    state = {"current_loss_scale": (self.init_loss_scale, np.float32, 1.0,
-                                    _numerics.FLOAT32_MAX),
-             "num_good_steps": (0, np.int32, 0, self.incr_every_n_steps - 1),
-             "num_bad_steps": (0, np.int32, 0, self.decr_every_n_nan_or_inf - 1)}
-    for name, (initial, dtype, low, high) in state.items():
-      value = getattr(self, name)
-      value = np.asarray(initial, dtype) if value is None else v.state_values(
-          name, value, dtype, low, high)
-      object.__setattr__(self, name, value)
+    set_fields(self, checked, {
+        "current_loss_scale": (checked["init_loss_scale"], np.float32, 1.0, _numerics.FLOAT32_MAX),
+        "num_good_steps": (0, np.int32, 0, checked["incr_every_n_steps"] - 1),
+        "num_bad_steps": (0, np.int32, 0, checked["decr_every_n_nan_or_inf"] - 1)})
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)

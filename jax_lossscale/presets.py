@@ -20,6 +20,12 @@ from jax_lossscale._loss_scale import DynamicLossScale
 __all__ = ("deepspeed", "flax", "jmp", "keras", "megatron", "pytorch", "tensorflow")
 
 
+def _dynamic(names: dict[str, str], *args, **kwargs) -> DynamicLossScale:
+  """`DynamicLossScale(*args, **kwargs)` whose errors call its arguments by `names`."""
+  with _validation.renamed(**names):
+    return DynamicLossScale(*args, **kwargs)
+
+
 def tensorflow(
     initial_loss_scale: float = 2.0**15, increment_period: int = 2000, multiplier: float = 2.0
 ) -> DynamicLossScale:
@@ -39,58 +45,42 @@ def pytorch(
   scale times a double, rounded to float32: `factor_precision="float64"`), so any
   factor, not only powers of two, gives PyTorch's trajectory bit for bit.
   """
-  with _validation.renamed(initial_loss_scale="init_scale", increment_period="growth_interval",
-              multiplier="growth_factor"):
-    return DynamicLossScale(
-        init_scale, growth_interval, growth_factor, backoff_factor=backoff_factor,
-        min_loss_scale=0.0, factor_precision="float64",
-    )
+  names = dict(initial_loss_scale="init_scale", increment_period="growth_interval",
+               multiplier="growth_factor")
+  return _dynamic(names, init_scale, growth_interval, growth_factor,
+                  backoff_factor=backoff_factor, min_loss_scale=0.0, factor_precision="float64")
 
 
 def deepspeed(
-    init_scale: float = 2.0**16,
-    scale_factor: float = 2.0,
-    scale_window: int = 1000,
-    min_scale: float = 1.0,
-    delayed_shift: int = 2,
-    consecutive_hysteresis: bool = False,
+    init_scale: float = 2.0**16, scale_factor: float = 2.0, scale_window: int = 1000,
+    min_scale: float = 1.0, delayed_shift: int = 2, consecutive_hysteresis: bool = False,
 ) -> DynamicLossScale:
   """DeepSpeed's `DynamicLossScaler` with its config-file defaults.
 
   (The class itself defaults to `init_scale=2**32` and `delayed_shift=1`; DeepSpeed's
   fp16 config defaults to `initial_scale_power=16`, `hysteresis=2`.)
   """
-  with _validation.renamed(initial_loss_scale="init_scale", increment_period="scale_window",
-              multiplier="scale_factor", min_loss_scale="min_scale",
-              hysteresis="delayed_shift"):
-    return DynamicLossScale(
-        init_scale, scale_window, scale_factor, min_loss_scale=min_scale,
-        hysteresis=delayed_shift, consecutive_hysteresis=consecutive_hysteresis,
-    )
+  names = dict(initial_loss_scale="init_scale", increment_period="scale_window",
+               multiplier="scale_factor", min_loss_scale="min_scale", hysteresis="delayed_shift")
+  return _dynamic(names, init_scale, scale_window, scale_factor, min_loss_scale=min_scale,
+                  hysteresis=delayed_shift, consecutive_hysteresis=consecutive_hysteresis)
 
 
 def megatron(
-    initial_scale: float = 2.0**32,
-    min_scale: float = 1.0,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 1000,
-    hysteresis: int = 2,
+    initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
+    backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
 ) -> DynamicLossScale:
   """Megatron-LM's `DynamicGradScaler`."""
-  with _validation.renamed(initial_loss_scale="initial_scale", increment_period="growth_interval",
-              multiplier="growth_factor", min_loss_scale="min_scale"):
-    return DynamicLossScale(
-        initial_scale, growth_interval, growth_factor, backoff_factor=backoff_factor,
-        min_loss_scale=min_scale, hysteresis=hysteresis,
-    )
+  names = dict(initial_loss_scale="initial_scale", increment_period="growth_interval",
+               multiplier="growth_factor", min_loss_scale="min_scale")
+  return _dynamic(names, initial_scale, growth_interval, growth_factor,
+                  backoff_factor=backoff_factor, min_loss_scale=min_scale, hysteresis=hysteresis)
 
 
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicLossScale:
   """Keras 3's `LossScaleOptimizer`: ×2 / ÷2, no floor."""
-  with _validation.renamed(initial_loss_scale="initial_scale",
-                           increment_period="dynamic_growth_steps"):
-    return DynamicLossScale(initial_scale, dynamic_growth_steps, 2.0, min_loss_scale=0.0)
+  names = dict(initial_loss_scale="initial_scale", increment_period="dynamic_growth_steps")
+  return _dynamic(names, initial_scale, dynamic_growth_steps, 2.0, min_loss_scale=0.0)
 
 
 def jmp(
@@ -98,9 +88,8 @@ def jmp(
     min_loss_scale: float = 1.0,
 ) -> DynamicLossScale:
   """DeepMind jmp's `DynamicLossScale`."""
-  with _validation.renamed(initial_loss_scale="loss_scale", increment_period="period",
-                           multiplier="factor"):
-    return DynamicLossScale(loss_scale, period, factor, min_loss_scale=min_loss_scale)
+  names = dict(initial_loss_scale="loss_scale", increment_period="period", multiplier="factor")
+  return _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale)
 
 
 def flax(
@@ -120,10 +109,9 @@ def flax(
   # flax accepts 0 (a growth on every finite step): increment_period 1 here.
   growth_interval = _validation.integer("growth_interval", growth_interval, 0,
                                         _numerics.INT32_MAX - 1)
-  with _validation.renamed(initial_loss_scale="scale", multiplier="growth_factor",
-              min_loss_scale="minimum_scale"):
-    return DynamicLossScale(
-        scale, growth_interval + 1, growth_factor, backoff_factor=backoff_factor,
-        min_loss_scale=0.0 if minimum_scale is None else minimum_scale,
-        max_loss_scale=float(np.finfo(np.float32).max),
-    )
+  names = dict(initial_loss_scale="scale", multiplier="growth_factor",
+               min_loss_scale="minimum_scale")
+  return _dynamic(names, scale, growth_interval + 1, growth_factor,
+                  backoff_factor=backoff_factor,
+                  min_loss_scale=0.0 if minimum_scale is None else minimum_scale,
+                  max_loss_scale=float(np.finfo(np.float32).max))

@@ -14,6 +14,30 @@ from collections.abc import Sequence
 MODELS = ("mlp", "transformer")
 
 
+def figure(**subplots):
+  """A new matplotlib figure and its axes (`plt.subplots(**subplots)`), drawn off screen."""
+  import matplotlib.pyplot as plt
+
+  plt.switch_backend("Agg")
+  return plt.subplots(**subplots)
+
+
+def save(fig, path: str) -> None:
+  """Lays out `fig`, writes it to `path` and frees it."""
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def argument_parser(model: str, doc: str | None) -> argparse.ArgumentParser:
+  """The command line of `python -m jax_lossscale.demo --model MODEL`, described by `doc`."""
+  return argparse.ArgumentParser(prog=f"python -m jax_lossscale.demo --model {model}",
+                                 description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(add_help=False)
   parser.add_argument("--model", choices=MODELS, default="mlp")

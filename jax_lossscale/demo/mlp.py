@@ -17,7 +17,6 @@ Needs the `demo` extra (matplotlib, tqdm): `pip install "jax_lossscale[demo]"`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -29,6 +28,7 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
+from jax_lossscale import demo
 from jax_lossscale.demo.text import Text
 
 CONTEXT, EMBED = 16, 16
@@ -203,12 +203,7 @@ def format_table(runs: Sequence[RunResult]) -> str:
 
 
 def plot(runs: Sequence[RunResult], path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(13, 4.5))
+  fig, (ax_loss, ax_scale) = demo.figure(ncols=2, figsize=(13, 4.5))
   for r in runs:
     ax_loss.plot(r.losses, label=r.name, lw=1.2)
   ax_loss.set(xlabel="step", ylabel="training loss (nats)", title="Loss curves")
@@ -220,16 +215,12 @@ def plot(runs: Sequence[RunResult], path: str) -> None:
                      label=f"skipped steps ({len(skipped)})")
   ax_scale.set(xlabel="step", ylabel="loss scale", yscale="log", title="Loss scale")
   ax_scale.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  demo.save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   defaults = Config()
-  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo [--model mlp]",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = demo.argument_parser("mlp", __doc__)
   parser.add_argument("--steps", type=int, default=defaults.steps)
   parser.add_argument("--batch", type=int, default=defaults.batch,
                       help="examples per step; large batches make per-example gradients tiny")

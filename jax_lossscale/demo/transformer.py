@@ -10,7 +10,6 @@ losses over seeds, and plots each layer's headroom. Needs the `demo` extra.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -23,6 +22,7 @@ import optax
 from flax import nnx
 
 import jax_lossscale as jls
+from jax_lossscale import demo
 from jax_lossscale.demo.text import Text
 
 FLOAT32 = jls.get_policy("p=f32,c=f32,o=f32")
@@ -297,12 +297,11 @@ def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
 def plot(runs: Sequence[RunResult], path: str) -> None:
   """Each layer's headroom at scale 1 over training (from the last probed run's probes)
   and the parameter gradients', with log2 of every run's loss scale above 1."""
-  import matplotlib.pyplot as plt
+  import matplotlib
 
-  plt.switch_backend("Agg")
-  fig, ax = plt.subplots(figsize=(11, 5.5))
+  fig, ax = demo.figure(figsize=(11, 5.5))
   probed = [r for r in runs if "probes" in r.logs][-1]
-  colors = iter(plt.get_cmap("tab20")(np.linspace(0, 1, 24)))
+  colors = iter(matplotlib.colormaps["tab20"](np.linspace(0, 1, 24)))
   for name, s in jls.diagnostics.layers(probed.logs["probes"]):
     ax.plot(np.asarray(s.headroom) + np.log2(probed.logs["scale"]), lw=0.9, color=next(colors),
             label=name)
@@ -315,16 +314,12 @@ def plot(runs: Sequence[RunResult], path: str) -> None:
   ax.set(xlabel="step", ylabel="doublings", title=f"{probed.name}: each layer's headroom at "
          "scale 1,\nand log2 of the loss scales (a scale above a line overflows there)")
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  demo.save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   d = Config()
-  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo --model transformer",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = demo.argument_parser("transformer", __doc__)
   for flag in ("steps", "batch", "context", "width", "layers"):
     parser.add_argument(f"--{flag}", type=int, default=getattr(d, flag))
   parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
