@@ -36,6 +36,25 @@ def variants(optimizer, clip_norm):
   return overhead.variants(optimizer, clip_norm)
 
 
+def parts(optimizer):
+  """Where the step's compile time goes: plain optax with the check's flag as one more
+  output, and plain optax inside a `lax.cond` on that flag (what a skip costs)."""
+
+  def plain(params, state, grads):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def with_check(params, state, grads):
+    return *plain(params, state, grads), jls.all_finite(grads)
+
+  def in_cond(params, state, grads):
+    return jax.lax.cond(jls.all_finite(grads), lambda: plain(params, state, grads),
+                        lambda: (params, state))
+
+  return {"plain + check": (optimizer.init, with_check),
+          "plain in lax.cond": (optimizer.init, in_cond)}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,13 +66,14 @@ def main(argv=None) -> None:
   parser.add_argument("--variants", nargs="+",
                       default=["plain", "jls.update", "jls.apply_gradients", "apply_if_finite"],
                       help="jmp and flax take many minutes to compile at 1000 leaves (flax: "
-                           "over 15 minutes of CPU time); add them by name")
+                           "over 15 minutes of CPU time); add them by name, and "
+                           "'plain + check', 'plain in lax.cond' to see where the time goes")
   args = parser.parse_args(argv)
 
   params = {f"leaf_{i:04d}": jnp.full(tuple(args.shape), 0.5, jnp.float32)
             for i in range(args.leaves)}
   grads = jax.tree.map(lambda p: p * 1e-3, params)
-  candidates = variants(optax.adam(1e-3), 1.0 if args.clip else None)
+  candidates = variants(optax.adam(1e-3), 1.0 if args.clip else None) | parts(optax.adam(1e-3))
   chosen = {name: candidates[name] for name in args.variants if name in candidates}
   wall = {name: [] for name in chosen}
   cpu = {name: [] for name in chosen}
