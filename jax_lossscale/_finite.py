@@ -181,14 +181,20 @@ def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Ar
   if not axes:
     return list(flags)
   failures = jnp.stack([jnp.logical_not(f) for f in flags]).astype(jnp.int32)
+  failures = collective(jax.lax.psum, failures, axes, axis_name)
+  return [failures[i] == 0 for i in range(len(flags))]
+
+
+def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
+  """`op(x, axes)` (`lax.psum`, `lax.pmean`, ...), refusing an `axis_name` that names no
+  axis of the `shard_map` or `pmap` the step runs in."""
   try:
-    failures = jax.lax.psum(failures, axes)
+    return op(x, axes)
   except NameError as error:
     raise ValueError(
         f"`axis_name` must name axes of the shard_map or pmap the step runs in, got "
         f"{axis_name!r} ({error}). Under jit with sharded arrays, leave it out: the check "
         "is already global.") from None
-  return [failures[i] == 0 for i in range(len(flags))]
 
 
 def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:

@@ -33,7 +33,11 @@ _WRONG = {
     optax.MultiTransformState: "the other transforms of an optax.multi_transform get scaled "
                                "gradients",
     optax.MaskedState: "optax.masked around loss_scaling",
+    optax.ApplyIfFiniteState: "optax.apply_if_finite around loss_scaling keeps the loss "
+                              "scale from backing off on overflowed steps",
 }
+_SIBLINGS = ("a transformation chained before loss_scaling sees scaled gradients, one "
+             "chained after it still runs on skipped steps")
 
 
 def find_state(opt_state: Any) -> LossScalingState:
@@ -69,13 +73,21 @@ def _looks_flattened(tree: Any) -> bool:
              for path, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
+def _wrapped_by(node: Any) -> str | None:
+  """Why `node`, a state holding the loss_scaling state, breaks the rule; None if not."""
+  why = next((text for kind, text in _WRONG.items() if isinstance(node, kind)), None)
+  if why is None and (type(node) in (tuple, list) or isinstance(node, dict)) and len(node) > 1:
+    return _SIBLINGS  # optax.chain, optax.named_chain
+  if why is None and isinstance(node, tuple) and hasattr(node, "_fields"):
+    why = (f"the transformation whose state is {type(node).__name__} runs around it, on "
+           "scaled gradients or on skipped steps")  # any other optax wrapper
+  return why
+
+
 def _check_outermost(opt_state: Any, path) -> None:
   node = opt_state
   for key in path:
-    why = next((text for kind, text in _WRONG.items() if isinstance(node, kind)), None)
-    if why is None and type(node) in (tuple, list) and len(node) > 1:
-      why = ("a transformation chained before loss_scaling sees scaled gradients, one "
-             "chained after it still runs on skipped steps")
+    why = _wrapped_by(node)
     if why is not None:
       raise ValueError(
           f"loss_scaling is not the outermost transformation (its state is at "
@@ -108,7 +120,12 @@ def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
 
       batch_stats = jls.if_applied(opt_state, new_batch_stats, batch_stats)
   """
-  return _trees.select_tree(find_state(opt_state).last_applied, new, old)
+  applied = find_state(opt_state).last_applied
+  try:
+    return _trees.select_tree(applied, new, old)
+  except (TypeError, ValueError) as error:  # the structure, a shape or a dtype differs
+    raise type(error)(f"if_applied: `new` and `old` must have the same structure, shapes "
+                      f"and dtypes: {error}") from None
 
 
 class LossScaleStuckError(RuntimeError):
@@ -117,8 +134,8 @@ class LossScaleStuckError(RuntimeError):
 
 _LOSS = "the loss itself is inf/NaN (a forward-pass problem, not an overflow)"
 _UPDATES = (
-    "the optimizer produced non-finite updates from finite gradients (low-precision "
-    "parameters: Adam's eps=1e-8 is 0 in float16). Fix: a larger eps, e.g. "
+    "the optimizer produced non-finite updates (or parameters) from finite gradients "
+    "(low-precision parameters: Adam's eps=1e-8 is 0 in float16). Fix: a larger eps, e.g. "
     "optax.adam(1e-3, eps=1e-4), or keep parameters and optimizer state in float32 "
     "and compute in float16 (jax_lossscale.get_policy('p=f32,c=f16'))")
 _DIVERGES = ("the unscaled gradients are inf/NaN even at this scale, so the model itself "

@@ -45,7 +45,8 @@ class LossScalingState(NamedTuple):
   because the unscaled loss passed as `loss=` was inf or NaN: a forward-pass problem,
   so the scale is left alone), `nonfinite_update_steps` (skipped because the inner
   optimizer turned finite gradients into inf or NaN updates of low-precision
-  parameters, e.g. Adam's `eps=1e-8`, which is 0 in float16), and
+  parameters, e.g. Adam's `eps=1e-8`, which is 0 in float16, or, with
+  `apply_gradients`, into updates that overflow such a parameter), and
   `consecutive_nonfinite_loss` / `consecutive_nonfinite_updates` (how many of the
   `consecutive_skips` had each cause).
   """
@@ -235,6 +236,8 @@ class _Step:
 
   def apply(self, grads, state, params, *, loss=None, probes=None, **extra_args):
     """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
+    if params is None:
+      raise TypeError("apply_gradients: `params` must be the parameters to update, got None.")
     return self._step(grads, state, params, loss, probes, extra_args, apply=True)
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
@@ -249,7 +252,8 @@ class _Step:
           _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
           **extra_args)
       out = _trees.apply_updates(params, updates) if apply else updates
-      return out, inner_state, _narrow_finite(updates, self.axis_name)
+      return out, inner_state, _narrow_finite(updates, self.axis_name,
+                                              (params, out) if apply else None)
 
     static = (_trees.partition(params if apply else grads)[1],
               _trees.partition(state.inner_state)[1], None)
@@ -290,14 +294,22 @@ def _traced_once(run, static, inputs):
   return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
 
 
-def _narrow_finite(updates: Any, axis_name) -> jax.Array | None:
+def _narrow_finite(updates: Any, axis_name, applied: tuple[Any, Any] | None = None
+                   ) -> jax.Array | None:
   """Whether the updates narrower than float32 are finite; `None` if there are none.
 
-  Adam's `eps=1e-8` is 0 in float16, so finite gradients can give 0/0 there. Updates of
-  float32 and wider are not checked, so they cost nothing.
+  Adam's `eps=1e-8` is 0 in float16, so finite gradients can give 0/0 there. Given
+  `applied = (params, new_params)`, also whether every finite parameter narrower than
+  float32 stays finite (60000 + 10000 is inf in float16). Wider leaves are not checked,
+  so they cost nothing.
   """
-  narrow = [x for x in _trees.float_leaves(updates) if jnp.dtype(x.dtype).itemsize < 4]
-  return _finite.agree([_finite.finite(narrow)], axis_name)[0] if narrow else None
+  narrow = lambda tree: [x for x in _trees.float_leaves(tree)  # noqa: E731
+                         if jnp.dtype(x.dtype).itemsize < 4]
+  checked = narrow(updates)
+  if applied is not None:
+    checked += [jnp.where(jnp.isfinite(p), n, 0) for p, n in zip(*map(narrow, applied),
+                                                                strict=True)]
+  return _finite.agree([_finite.finite(checked)], axis_name)[0] if checked else None
 
 
 def _optimizer_stepped(old: Any, new: Any) -> jax.Array:

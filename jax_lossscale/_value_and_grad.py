@@ -129,4 +129,5 @@ def _value_and_grads(result: Any, value_and_grad: Callable) -> tuple[_Value, Any
 
 
 def _mean(tree: Any, axis_name: _finite.AxisName) -> Any:
-  return _trees.map_float_leaves(lambda x: jax.lax.pmean(x, axis_name), tree)
+  return _trees.map_float_leaves(
+      lambda x: _finite.collective(jax.lax.pmean, x, axis_name, axis_name), tree)

@@ -35,7 +35,8 @@ class TrainState(train_state.TrainState):
   `create`, `replace`, checkpointing and the fields (`step`, `apply_fn`, `params`, `tx`,
   `opt_state`) are flax's. `apply_gradients` differs: it takes the unscaled loss, updates
   `params` and `opt_state` in one fused pass, and on a skipped step keeps everything the
-  step would have changed.
+  step would have changed but `step`, which counts calls as flax's does (schedules read
+  optax's own count in `opt_state`, which is kept).
   """
 
   def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs) -> TrainState:

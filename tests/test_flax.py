@@ -64,6 +64,15 @@ def test_train_state_takes_the_loss_and_fuses_the_step():
   assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
 
 
+def test_step_counts_calls_as_flax_does_and_the_schedule_count_is_kept():
+  tx = jls.loss_scaling(optax.adam(optax.linear_schedule(1e-2, 0.0, 10)))
+  state, _ = step(make_state(tx=tx), X, Y)
+  inner = state.opt_state.inner_state
+  state, _ = step(state, X * jnp.nan, Y)
+  assert int(state.step) == 2  # flax's TrainState (and its DynamicScale examples) count calls
+  chex.assert_trees_all_equal(state.opt_state.inner_state, inner)  # optax's count: the schedule's
+
+
 def test_train_state_equals_flax_own_to_float_rounding():
   tx = jls.loss_scaling(optax.adam(1e-2))
   ours, theirs = make_state(TrainState, tx), make_state(train_state.TrainState, tx)

@@ -65,6 +65,26 @@ def test_flax_nnx_batchnorm_statistics_follow_the_step_decision():
   assert not np.array_equal(jax.tree.leaves(after)[0], jax.tree.leaves(before)[0])
 
 
+def test_flax_nnx_optimizer_step_counts_calls_and_the_schedule_count_is_kept():
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  tx = jls.loss_scaling(optax.adam(optax.linear_schedule(1e-2, 0.0, 10)))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    grad_fn = jls.scaled_value_and_grad(lambda m: jnp.mean(m(x) ** 2),
+                                        value_and_grad=nnx.value_and_grad)
+    loss, grads = grad_fn(optimizer.opt_state, model)
+    optimizer.update(model, grads, loss=loss)
+
+  train_step(model, optimizer, jnp.ones((2, 3)))
+  params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+  train_step(model, optimizer, jnp.full((2, 3), jnp.nan))
+  assert int(optimizer.step[...]) == 2  # nnx.Optimizer counts calls, as flax's does
+  assert int(optimizer.opt_state.inner_state[0].count[...]) == 1  # the schedule's count
+  chex.assert_trees_all_equal(nnx.state(model, nnx.Param), params)
+
+
 def test_flax_nnx_optimizer_with_batchnorm_and_dropout():
   model = NnxModel(nnx.Rngs(0, dropout=1))
   optimizer = nnx.Optimizer(model, jls.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)

@@ -34,8 +34,15 @@ def steps(tx, sequence, params=PARAMS):
       "inject_hyperparams around loss_scaling"),
      (lambda tx: optax.multi_transform({"a": tx, "b": optax.set_to_zero()},
                                        {"dense": {"kernel": "a", "bias": "b"}}),
-      "multi_transform")],
-    ids=["decay_before", "decay_after", "multisteps", "inject_hyperparams", "multi_transform"])
+      "multi_transform"),
+     (lambda tx: optax.named_chain(("decay", optax.add_decayed_weights(1e-4)), ("ls", tx)),
+      "chained before"),
+     (lambda tx: optax.named_chain(("ls", tx), ("scale", optax.scale(0.5))), "chained after"),
+     (lambda tx: optax.apply_if_finite(tx, 3), "apply_if_finite around loss_scaling keeps"),
+     (lambda tx: optax.conditionally_transform(tx, lambda step: step > 0),
+      "ConditionallyTransformState runs around it")],
+    ids=["decay_before", "decay_after", "multisteps", "inject_hyperparams", "multi_transform",
+         "named_chain_before", "named_chain_after", "apply_if_finite", "another_wrapper"])
 def test_a_composition_where_loss_scaling_is_not_outermost_is_refused(make, why):
   # The docs chained add_decayed_weights before loss_scaling: the decay was divided by
   # the scale. After it, a decay (or a schedule) still ran on skipped steps.
@@ -45,8 +52,9 @@ def test_a_composition_where_loss_scaling_is_not_outermost_is_refused(make, why)
       read(state)
 
 
-@pytest.mark.parametrize("make", [lambda tx: tx, lambda tx: optax.chain(tx)],
-                         ids=["bare", "chain_of_one"])
+@pytest.mark.parametrize("make", [lambda tx: tx, lambda tx: optax.chain(tx),
+                                  lambda tx: optax.named_chain(("ls", tx))],
+                         ids=["bare", "chain_of_one", "named_chain_of_one"])
 def test_the_state_is_found_where_loss_scaling_is_outermost(make):
   state = make(jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(64.0))).init(PARAMS)
   assert float(jls.metrics(state)["loss_scale"]) == 64.0
@@ -66,6 +74,14 @@ def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
   # nnx.state keeps only arrays, in dicts: README sends users to the optimizer instead.
   with pytest.raises(ValueError, match=r"nnx.state\(optimizer\) keeps only arrays"):
     jls.metrics(nnx.state(optimizer))
+
+
+@pytest.mark.parametrize("old", [{"mean": jnp.zeros(3)}, {"mean": jnp.zeros(2, jnp.int32)},
+                                 {"average": jnp.zeros(2)}], ids=["shape", "dtype", "structure"])
+def test_if_applied_refuses_new_and_old_that_do_not_match_naming_them(old):
+  state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises((TypeError, ValueError), match="if_applied: `new` and `old` must have"):
+    jls.if_applied(state, {"mean": jnp.ones(2)}, old)
 
 
 def test_if_applied_makes_other_state_follow_the_step_decision():
@@ -134,7 +150,8 @@ def test_raise_if_stuck_names_an_optimizer_that_makes_nan_from_finite_gradients(
   tx = jls.loss_scaling(optax.adam(1e-3))  # eps=1e-8 is 0 in float16
   state = steps(tx, [({"w": jnp.zeros(2, jnp.float16)}, None)] * 3, params)
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"optimizer produced non-finite updates from finite gradients.*eps"):
+                     match=r"optimizer produced non-finite updates \(or parameters\) from "
+                           r"finite gradients.*eps"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 

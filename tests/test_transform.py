@@ -197,6 +197,13 @@ def test_both_branches_give_the_same_steps(fused):
 # --- the transformation object ---------------------------------------------------------
 
 
+def test_apply_gradients_without_params_is_refused_naming_params():
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match="apply_gradients: `params` must be the parameters"):
+    tx.apply_gradients(params, tx.init(params), None)
+
+
 def test_apply_gradients_takes_the_loss_and_extra_args_like_update(branch):
   seen = []
 
@@ -338,6 +345,24 @@ def test_float16_parameters_with_default_adam_never_get_nan(fused, branch):
   tx = jls.loss_scaling(optax.adam(1e-3, eps=1e-4), jls.DynamicLossScale(4.0))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert bool(state.last_applied) and bool(jls.all_finite(updates))
+
+
+def test_apply_gradients_skips_a_step_that_would_overflow_a_float16_parameter(branch):
+  # 60000 + 20000 is inf in float16: finite gradients, finite updates, an inf parameter.
+  # The fused step sees the new parameters, so it skips instead; a parameter that was
+  # already inf (a constant the model keeps) does not block the step.
+  params = {"w": jnp.array([60000.0, 1.0], jnp.float16),
+            "mask": jnp.array([-jnp.inf, 0.0], jnp.float16), "f32": jnp.ones(2)}
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.DynamicLossScale(2.0))
+  grads = {"w": jnp.array([-20000.0, 0.0], jnp.float16) * 2,
+           "mask": jnp.ones(2, jnp.float16), "f32": jnp.ones(2)}
+  new_params, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(new_params, params)
+  assert int(state.nonfinite_update_steps) == 1 and float(state.loss_scale()) == 2.0
+  grads["w"] = jnp.array([-2048.0, 0.0], jnp.float16) * 2
+  new_params, state = jax.jit(tx.apply_gradients)(grads, state, params)
+  assert bool(state.last_applied) and float(new_params["w"][0]) == 62048.0
+  assert float(new_params["mask"][0]) == -np.inf
 
 
 # --- mixed dtypes: narrow parameters, float32 gradients ---------------------------------

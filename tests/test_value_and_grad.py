@@ -117,6 +117,12 @@ def test_axis_name_averages_the_loss_and_the_gradients_across_replicas():
   chex.assert_trees_all_close(jax.tree.map(lambda g: g[0], grads), expected, rtol=1e-6)
 
 
+def test_an_axis_name_outside_pmap_or_shard_map_is_refused_naming_axis_name():
+  grad_fn = jls.scaled_value_and_grad(loss_fn, axis_name="batch")
+  with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map or pmap"):
+    jax.jit(grad_fn)(state_with_scale(4.0), PARAMS, jnp.ones(3))
+
+
 @jax.custom_vjp
 def overflow_in_backward(x):
   return x
