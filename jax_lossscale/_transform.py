@@ -242,15 +242,22 @@ class _Step:
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
+    if params is not None:
+      _validation.grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
     decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
                               probes)
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
-      updates, inner_state = self._inner.update(
-          _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
-          **extra_args)
+      try:
+        updates, inner_state = self._inner.update(
+            _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
+            **extra_args)
+      except (AttributeError, TypeError, ValueError) as error:
+        error.add_note("loss_scaling: raised by the inner optimizer. If `state` was made by "
+                       "another optimizer's init, pass this transformation's (tx.init).")
+        raise
       out = _trees.apply_updates(params, updates) if apply else updates
       return out, inner_state, _narrow_finite(updates, self.axis_name,
                                               (params, out) if apply else None)
@@ -299,10 +306,8 @@ def _narrow_finite(updates: Any, axis_name, applied: tuple[Any, Any] | None = No
   """Whether the updates narrower than float32 are finite; `None` if there are none.
 
   Adam's `eps=1e-8` is 0 in float16, so finite gradients can give 0/0 there. Given
-  `applied = (params, new_params)`, also whether every finite parameter narrower than
-  float32 stays finite (60000 + 10000 is inf in float16). Wider leaves are not checked,
-  so they cost nothing.
-  """
+  `applied = (params, new_params)`, also whether such finite parameters stay finite
+  (60000 + 10000 is inf in float16). Wider leaves are not checked: they cost nothing."""
   narrow = lambda tree: [x for x in _trees.float_leaves(tree)  # noqa: E731
                          if jnp.dtype(x.dtype).itemsize < 4]
   checked = narrow(updates)

@@ -241,6 +241,22 @@ def loss(value: Any) -> jax.Array:
   return jnp.asarray(value, jnp.float32)
 
 
+def grads_like_params(grads: Any, params: Any) -> None:
+  """`grads` has a leaf for each leaf of `params`, of its shape (`None` and leaves that
+  are not arrays, as in equinox's filtered trees, are not compared)."""
+  is_none = lambda x: x is None  # noqa: E731
+  ours = jax.tree.leaves(grads, is_leaf=is_none)
+  theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+  if len(ours) != len(theirs):
+    raise ValueError(f"`grads` must have the structure of `params`: {len(ours)} leaves "
+                     f"against {len(theirs)}; grads: {jax.tree.structure(grads)}.")
+  for g, (path, p) in zip(ours, theirs, strict=True):
+    if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
+      where = jax.tree_util.keystr(path)
+      raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
+                       f"`params{where}` {jnp.shape(p)}.")
+
+
 def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
   """The checked hyperparameters of a `DynamicLossScale`, by name."""
   precision = config["factor_precision"]

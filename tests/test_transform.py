@@ -204,6 +204,27 @@ def test_apply_gradients_without_params_is_refused_naming_params():
     tx.apply_gradients(params, tx.init(params), None)
 
 
+@pytest.mark.parametrize("grads, match", [
+    ({"w": jnp.ones(2)}, r"`grads` must have the structure of `params`: 1 leaves against 2"),
+    ({"w": jnp.ones(2), "b": jnp.ones(4)}, r"`grads\['b'\]` has shape \(4,\), its parameter "
+                                           r"`params\['b'\]` \(3,\)")],
+    ids=["missing_leaf", "wrong_shape"])
+def test_gradients_that_do_not_match_the_parameters_are_refused_naming_both(grads, match):
+  tx = jls.loss_scaling(optax.adam(0.1))
+  params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+  for step in (tx.update, tx.apply_gradients):
+    with pytest.raises(ValueError, match=match):
+      step(grads, tx.init(params), params)
+
+
+def test_a_state_made_by_another_inner_optimizer_is_named_as_the_likely_cause():
+  params = {"w": jnp.ones(2)}
+  state = jls.loss_scaling(optax.sgd(0.1), 4.0).init(params)  # the same loss scale
+  with pytest.raises(AttributeError) as info:
+    jls.loss_scaling(optax.adam(0.1), 4.0).update(params, state, params)
+  assert "If `state` was made by another optimizer's init" in " ".join(info.value.__notes__)
+
+
 def test_apply_gradients_takes_the_loss_and_extra_args_like_update(branch):
   seen = []
 
