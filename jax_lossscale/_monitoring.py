@@ -77,11 +77,13 @@ def _wrapped_by(node: Any) -> str | None:
   """Why `node`, a state holding the loss_scaling state, breaks the rule; None if not."""
   why = next((text for kind, text in _WRONG.items() if isinstance(node, kind)), None)
   if why is None and (type(node) in (tuple, list) or isinstance(node, dict)) and len(node) > 1:
-    return _SIBLINGS  # optax.chain, optax.named_chain
-  if why is None and isinstance(node, tuple) and hasattr(node, "_fields"):
+    why = _SIBLINGS  # optax.chain, optax.named_chain
+  elif why is None and isinstance(node, tuple) and hasattr(node, "_fields"):
     why = (f"the transformation whose state is {type(node).__name__} runs around it, on "
            "scaled gradients or on skipped steps")  # any other optax wrapper
-  return why
+  else:
+    return why
+  return f"{why} (if this is a container of your own, pass the optimizer state in it)"
 
 
 def _check_outermost(opt_state: Any, path) -> None:

@@ -249,7 +249,7 @@ def grads_like_params(grads: Any, params: Any) -> None:
   theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   if len(ours) != len(theirs):
     raise ValueError(f"`grads` must have the structure of `params`: {len(ours)} leaves "
-                     f"against {len(theirs)}; grads: {jax.tree.structure(grads)}.")
+                     f"against {len(theirs)}; grads: {str(jax.tree.structure(grads)):.300}.")
   for g, (path, p) in zip(ours, theirs, strict=True):
     if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
       where = jax.tree_util.keystr(path)
