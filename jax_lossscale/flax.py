@@ -1,5 +1,5 @@
-"""flax: a linen `TrainState` whose `apply_gradients` takes the loss and keeps everything on
-a skipped step, and loss scales known to `flax.serialization`.
+"""flax: a linen `TrainState` whose `apply_gradients` takes the loss and keeps everything
+but the call counter `step` on a skipped step, and loss scales known to `flax.serialization`.
 
 Importing this module imports flax; `import jax_lossscale` does not.
 
