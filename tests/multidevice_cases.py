@@ -235,14 +235,21 @@ def test_loss_scale_update_and_all_finite_take_axis_name(mesh):
   assert (np.asarray(scale) == 8.0).all()
 
 
-def test_finiteness_is_agreed_with_one_scalar_collective(mesh):
-  params, grads = per_device_case(mesh)
-  tx = jls.loss_scaling(optax.sgd(0.1), axis_name="data")
+@pytest.mark.parametrize("dtype, clip, collectives", [
+    (jnp.float32, None, 1), (jnp.float32, 1.0, 1),
+    (jnp.float16, None, 2), (jnp.bfloat16, 1.0, 2)])  # narrow updates: one more, after
+def test_finiteness_is_agreed_with_one_scalar_collective(mesh, dtype, clip, collectives):
+  params, grads = jax.tree.map(lambda x: x.astype(dtype), per_device_case(mesh))
+  tx = jls.loss_scaling(optax.adam(0.1), axis_name="data", clip_by_global_norm=clip)
   state = tx.init(params)
-  update = shard_map_update(tx, mesh, state_specs(state))
-  hlo = update.lower(grads, state, params).as_text()
+  update = jax.jit(jax.shard_map(
+      lambda g, s, p, loss: tx.update(g, s, p, loss=loss), mesh=mesh,
+      in_specs=(P("data"), state_specs(state), P("data"), P("data")),
+      out_specs=(P("data"), state_specs(state))))
+  losses = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))  # one per device
+  hlo = update.lower(grads, state, params, losses).as_text()
   reductions = [line for line in hlo.splitlines() if "all_reduce" in line or "all-reduce" in line]
-  assert len([r for r in reductions if "=" in r]) == 1, reductions
+  assert len([r for r in reductions if "=" in r]) == collectives, reductions
 
 
 @pytest.mark.parametrize("branch", ["cpu", "default"])
@@ -259,3 +266,22 @@ def test_float16_updates_are_checked_on_every_device_and_agreed(mesh, branch):
     updates, new_state = update(grads, state, params)
   chex.assert_trees_all_equal(updates, -jnp.zeros((8, 3), jnp.float16))
   assert int(new_state.nonfinite_update_steps) == 1 and float(new_state.loss_scale()) == 8.0
+
+
+def test_axis_name_restricts_the_agreement_to_the_named_axis_of_a_2d_mesh():
+  # Replicas along "b" agree; the two groups along "a" decide on their own (e.g. two
+  # ensemble members, each data-parallel over "b").
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0), axis_name="b")
+  spec = P(("a", "b"))
+  params = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, spec))
+  grads = jax.device_put(jnp.ones((8, 3)).at[1, 0].set(jnp.inf), NamedSharding(mesh, spec))
+
+  def step(g, p):
+    _, state = tx.update(g, tx.init(p), p)
+    return state.loss_scale()[None], state.skipped_steps[None]
+
+  scales, skipped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec),
+                                          out_specs=(spec, spec), check_vma=False))(grads, params)
+  assert np.asarray(scales).reshape(2, 4).tolist() == [[4.0] * 4, [8.0] * 4]
+  assert np.asarray(skipped).reshape(2, 4).tolist() == [[1] * 4, [0] * 4]

@@ -69,3 +69,26 @@ def test_demo_runs_end_to_end_and_writes_a_plot(tmp_path, capsys):
               "MeasuredLossScale"]:
     assert row in printed
   assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_extra_provides_every_package_the_demos_import():
+  # README's first command installs `.[demo]` and then runs either demo.
+  import ast
+  import importlib.metadata
+  import pathlib
+  import re
+  import sys
+  import tomllib
+
+  root = pathlib.Path(demo.__file__).parents[2]
+  project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+  declared = {re.match(r"[\w.-]+", r).group().lower()
+              for r in project["dependencies"] + project["optional-dependencies"]["demo"]}
+  distributions = importlib.metadata.packages_distributions()
+  for path in pathlib.Path(demo.__file__).parent.glob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+      for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names):
+        if top != "jax_lossscale":
+          assert {d.lower() for d in distributions[top]} & declared, (path.name, top)

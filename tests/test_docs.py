@@ -55,3 +55,17 @@ def test_ci_runs_the_readme_test_command():
   command = next(line for line in ci.splitlines() if "pytest" in line)
   assert command in readme
   assert ".venv/bin/python -m jax_lossscale.demo" in readme
+
+
+def test_readme_names_every_module_and_each_has_its_test_file():
+  readme = (ROOT / "README.md").read_text()
+  listing = readme[readme.index("The package, one concept a module"):]
+  listing = listing[:listing.index("`tests/` mirrors it")]
+  package = ROOT / "jax_lossscale"
+  for path in sorted(package.glob("*.py")):
+    if path.name == "__init__.py":
+      continue
+    name = path.stem
+    assert (f"`{path.name}`" if name.startswith("_") else f"`{name}`") in listing, path.name
+    assert (ROOT / "tests" / f"test_{name.lstrip('_')}.py").exists(), name
+  assert "`demo`" in listing and (ROOT / "tests" / "test_demo.py").exists()

@@ -42,6 +42,11 @@ def test_the_largest_maximum_of_the_history_rules():
   assert got == [2.0**15, 2.0**12, 2.0**12, 2.0**12, 2.0**15]
 
 
+def test_by_default_a_spike_is_remembered_for_16_steps():
+  got, _ = scales(jls.MeasuredLossScale(1.0), [8.0] + [1.0] * 16)
+  assert got[:16] == [2.0**12] * 16 and got[16] == 2.0**15
+
+
 def test_an_overflow_drops_the_scale_below_what_it_implies_at_once():
   # An overflow at scale s means an unscaled maximum above 65504 / s: half the scale.
   got, _ = scales(jls.MeasuredLossScale(2.0**10, history=4), [None, None, 1e-4])

@@ -151,7 +151,7 @@ def test_raise_if_stuck_names_an_optimizer_that_makes_nan_from_finite_gradients(
   state = steps(tx, [({"w": jnp.zeros(2, jnp.float16)}, None)] * 3, params)
   with pytest.raises(jls.LossScaleStuckError,
                      match=r"optimizer produced non-finite updates \(or parameters\) from "
-                           r"finite gradients.*eps"):
+                           r"finite gradients.*eps.*float32.*get_policy\('p=f32,c=f16'\)"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 
@@ -188,4 +188,23 @@ def test_raise_if_stuck_names_the_layer_where_the_overflow_began():
     params, state = tx.apply_gradients(grads, state, params, loss=loss, probes=probes)
   with pytest.raises(jls.LossScaleStuckError,
                      match="the overflow began in the backward pass of 'layer_2'"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3, probes=probes)
+
+
+def test_raise_if_stuck_names_the_first_layer_whose_forward_output_was_not_finite():
+  def loss(params, x):
+    for i, w in enumerate(params):
+      x = jnp.tanh(x @ w)
+      x = jls.diagnostics.probe(x / 0.0 if i == 1 else x, f"layer_{i}")  # inf from layer 1 on
+    return jnp.mean(x**2)
+
+  params = [jnp.eye(3) * 0.5 for _ in range(3)]
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  state = tx.init(params)
+  grad_fn = jax.jit(jls.scaled_value_and_grad(loss, probes=True))
+  for _ in range(3):
+    value, grads, probes = grad_fn(state, params, jnp.ones((2, 3)))
+    params, state = tx.apply_gradients(grads, state, params, loss=value, probes=probes)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match="the forward output of 'layer_1' was the first that was not finite"):
     jls.raise_if_stuck(state, max_consecutive_skips=3, probes=probes)

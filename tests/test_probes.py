@@ -79,6 +79,11 @@ def test_without_measurement_probe_returns_its_input_and_the_program_has_no_prob
   assert "custom_vjp" not in jaxpr(mlp)
 
 
+def test_measurements_leave_the_device_through_the_backward_pass_not_a_host_callback():
+  jaxpr = str(jax.make_jaxpr(with_probes(mlp))(PARAMS, X))
+  assert "_measurements" in jaxpr and "callback" not in jaxpr
+
+
 def reductions(fun, *args) -> int:
   """The number of reductions in `fun`'s program, nested jaxprs included."""
   def count(jaxpr):

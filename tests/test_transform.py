@@ -153,7 +153,8 @@ CLIP = {"clip_by_global_norm": 0.5}
 @pytest.mark.parametrize("param_dtype, branch_name, fused, options", [
     (jnp.float32, "cpu", False, {}), (jnp.float32, "default", True, CLIP),
     (jnp.float16, "cpu", True, CLIP), (jnp.float16, "default", False, {}),
-    (jnp.bfloat16, "cpu", False, CLIP), (jnp.bfloat16, "default", True, {})],
+    (jnp.bfloat16, "cpu", False, CLIP), (jnp.bfloat16, "default", True, {}),
+    (jnp.float8_e4m3fn, "cpu", True, {}), (jnp.float8_e5m2, "default", False, CLIP)],
     ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_skipped_step_leaves_params_and_inner_state_bit_identical(
     param_dtype, branch_name, fused, options):
@@ -386,6 +387,28 @@ def test_apply_gradients_skips_a_step_that_would_overflow_a_float16_parameter(br
   assert float(new_params["mask"][0]) == -np.inf
 
 
+@FUSED
+def test_bfloat16_parameters_with_non_finite_updates_from_finite_gradients_are_skipped(
+    fused, branch):
+  params = {"w": jnp.ones(2, jnp.bfloat16), "f32": jnp.ones(3)}
+  tx = jls.loss_scaling(optax.adam(1e-3, eps=0.0), jls.DynamicLossScale(4.0))  # 0/0
+  grads = {"w": jnp.zeros(2, jnp.bfloat16), "f32": jnp.ones(3)}
+  new_params, state = applied_step(tx, fused)(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(new_params, params)
+  assert int(state.nonfinite_update_steps) == 1 and float(state.loss_scale()) == 4.0
+
+
+@FUSED
+def test_no_op_loss_scale_still_skips_non_finite_steps(fused, branch):
+  params = {"w": jnp.ones(3)}
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale())
+  state = tx.init(params)
+  new_params, state = applied_step(tx, fused)({"w": jnp.array([1.0, jnp.nan, 1.0])}, state,
+                                              params)
+  chex.assert_trees_all_equal(new_params, params)
+  assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 1.0
+
+
 # --- mixed dtypes: narrow parameters, float32 gradients ---------------------------------
 
 MIXED_INNERS = {"adam": optax.adam(1e-2), "sgd_momentum": optax.sgd(0.1, momentum=0.9),
@@ -543,6 +566,19 @@ def test_a_global_norm_beyond_float32_counts_as_non_finite(fused, branch):
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
   assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 2.0
+
+
+@pytest.mark.parametrize("norm, applied", [(1.7e19, True), (1.9e19, False)])
+def test_the_norm_overflows_above_the_square_root_of_the_largest_float32(norm, applied):
+  # README: skipped above about 1.8e19 before unscaling, where optax's own clip gives
+  # zero updates instead.
+  params, grads = {"w": jnp.ones(4)}, {"w": jnp.full(4, norm / 2, jnp.float32)}
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.DynamicLossScale(1.0), clip_by_global_norm=1.0)
+  new_params, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  assert bool(state.last_applied) == applied
+  np.testing.assert_allclose(new_params["w"], 0.5 if applied else 1.0, rtol=1e-6)
+  clipped = jax.jit(optax.clip_by_global_norm(1.0).update)(grads, optax.EmptyState())[0]
+  np.testing.assert_allclose(clipped["w"], 0.5 if applied else 0.0, rtol=1e-6)
 
 
 def test_clipping_float16_gradients_squares_them_in_float32():
