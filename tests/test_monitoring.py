@@ -176,35 +176,30 @@ def test_raise_if_stuck_accepts_numpy_and_jax_integers(threshold):
     jls.raise_if_stuck(steps(tx, [(BAD, None)] * 3), max_consecutive_skips=threshold)
 
 
-def test_raise_if_stuck_names_the_layer_where_the_overflow_began():
+def forward_nan_loss(params, x):
+  for i, w in enumerate(params):
+    x = jnp.tanh(x @ w)
+    x = jls.diagnostics.probe(x / 0.0 if i == 1 else x, f"layer_{i}")  # inf from layer 1 on
+  return jnp.mean(x**2)
+
+
+def backward_overflow_loss(params, x):
   from test_value_and_grad import layers_loss
 
+  return layers_loss(params, x)  # an overflow in layer 2's backward pass
+
+
+@pytest.mark.parametrize("loss_fn, where", [
+    (backward_overflow_loss, "the overflow began in the backward pass of 'layer_2'"),
+    (forward_nan_loss, "the forward output of 'layer_1' was the first that was not finite")],
+    ids=["backward", "forward"])
+def test_raise_if_stuck_names_the_layer_where_the_trouble_began(loss_fn, where):
   params = [jnp.eye(3) * 0.5 for _ in range(4)]
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
   state = tx.init(params)
-  grad_fn = jax.jit(jls.scaled_value_and_grad(layers_loss, probes=True))
+  grad_fn = jax.jit(jls.scaled_value_and_grad(loss_fn, probes=True))
   for _ in range(3):
     loss, grads, probes = grad_fn(state, params, jnp.ones((2, 3)))
     params, state = tx.apply_gradients(grads, state, params, loss=loss, probes=probes)
-  with pytest.raises(jls.LossScaleStuckError,
-                     match="the overflow began in the backward pass of 'layer_2'"):
-    jls.raise_if_stuck(state, max_consecutive_skips=3, probes=probes)
-
-
-def test_raise_if_stuck_names_the_first_layer_whose_forward_output_was_not_finite():
-  def loss(params, x):
-    for i, w in enumerate(params):
-      x = jnp.tanh(x @ w)
-      x = jls.diagnostics.probe(x / 0.0 if i == 1 else x, f"layer_{i}")  # inf from layer 1 on
-    return jnp.mean(x**2)
-
-  params = [jnp.eye(3) * 0.5 for _ in range(3)]
-  tx = jls.loss_scaling(optax.sgd(0.1))
-  state = tx.init(params)
-  grad_fn = jax.jit(jls.scaled_value_and_grad(loss, probes=True))
-  for _ in range(3):
-    value, grads, probes = grad_fn(state, params, jnp.ones((2, 3)))
-    params, state = tx.apply_gradients(grads, state, params, loss=value, probes=probes)
-  with pytest.raises(jls.LossScaleStuckError,
-                     match="the forward output of 'layer_1' was the first that was not finite"):
+  with pytest.raises(jls.LossScaleStuckError, match=where):
     jls.raise_if_stuck(state, max_consecutive_skips=3, probes=probes)
