@@ -303,17 +303,18 @@ def _traced_once(run, static, inputs):
 
 def _narrow_finite(updates: Any, axis_name, applied: tuple[Any, Any] | None = None
                    ) -> jax.Array | None:
-  """Whether the updates narrower than float32 are finite; `None` if there are none.
-
-  Adam's `eps=1e-8` is 0 in float16, so finite gradients can give 0/0 there. Given
-  `applied = (params, new_params)`, also whether such finite parameters stay finite
-  (60000 + 10000 is inf in float16). Wider leaves are not checked: they cost nothing."""
-  narrow = lambda tree: [x for x in _trees.float_leaves(tree)  # noqa: E731
-                         if jnp.dtype(x.dtype).itemsize < 4]
-  checked = narrow(updates)
-  if applied is not None:
-    checked += [jnp.where(jnp.isfinite(p), n, 0) for p, n in zip(*map(narrow, applied),
-                                                                strict=True)]
+  """Whether the updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in
+  float16: finite gradients can give 0/0); `None` if there are none. Given `applied =
+  (params, new_params)`, a narrow parameter's new value is checked instead of its update
+  where it was finite (60000 + 10000 is inf in float16). Wider leaves cost nothing."""
+  narrow = lambda x: _trees.is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4  # noqa: E731
+  def leaf(p, u, n):
+    if u is None or not _trees.is_float(p):
+      return None
+    return jnp.where(jnp.isfinite(p), n, 0) if narrow(p) else (u if narrow(u) else None)
+  checked = ([x for x in _trees.float_leaves(updates) if narrow(x)] if applied is None else
+             jax.tree.leaves(jax.tree.map(leaf, applied[0], updates, applied[1],
+                                          is_leaf=lambda x: x is None)))
   return _finite.agree([_finite.finite(checked)], axis_name)[0] if checked else None
 
 
