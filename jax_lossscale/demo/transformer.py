@@ -3,8 +3,9 @@
 `python -m jax_lossscale.demo --model transformer`: a small flax NNX transformer language
 model (ALiBi, pre-layer-norm blocks run by `nnx.scan`), float32 master weights, trained on
 Python's bundled documentation in float32, in float16 without loss scaling, with
-`DynamicLossScale()` and with `MeasuredLossScale(margin=1)` (set from probes on every
-module's output). Prints the per-layer table of the last run's trained model, the held-out
+`DynamicLossScale(increment_period=10)` (as in the MLP demo: it grows, overflows, skips
+and backs off within the run) and with `MeasuredLossScale(margin=1)` (set from probes on
+every module's output). Prints the per-layer table of the last run's trained model, the held-out
 losses over seeds, and plots each layer's headroom. Needs the `demo` extra.
 """
 
@@ -179,7 +180,7 @@ def train(name: str, data: Text, config: Config, policy: jls.Policy,
   if progress:
     from tqdm.auto import tqdm
 
-    steps = tqdm(steps, desc=f"{name:>37s} (seed {seed})", unit="step", leave=True)
+    steps = tqdm(steps, desc=f"{name:>46s} (seed {seed})", unit="step", leave=True)
   history = []
   for i in steps:
     state, logs = step(state, data.windows(starts[i], config.context + 1))
@@ -242,7 +243,8 @@ def plan() -> list[tuple[str, jls.Policy, jls.LossScale]]:
   """The four runs of each seed: name, precision policy, loss scale."""
   return [("float32", FLOAT32, jls.NoOpLossScale()),
           ("float16, no loss scaling", FLOAT16, jls.NoOpLossScale()),
-          ("float16, DynamicLossScale()", FLOAT16, jls.DynamicLossScale()),
+          ("float16, DynamicLossScale(increment_period=10)", FLOAT16,
+           jls.DynamicLossScale(increment_period=10)),
           # margin=1: with none, a gradient above the last 16 steps' skips (1-2 in 100 here).
           ("float16, MeasuredLossScale(margin=1)", FLOAT16, jls.MeasuredLossScale(margin=1))]
 
@@ -258,6 +260,12 @@ def _spread(values: Sequence[float], fmt: str) -> str:
   """`mean`, or `mean ± half the range` over seeds."""
   mean, half = format(np.mean(values), fmt), format(np.ptp(values) / 2, fmt.lstrip("+"))
   return mean if len(values) == 1 else f"{mean} ± {half}"
+
+
+def _power_of_two(x: float) -> str:
+  """`2**k` for a power of two above 1, else `x` as `:g` formats it."""
+  k = np.log2(x)
+  return f"2**{k:.0f}" if x > 1 and k == round(k) else f"{x:g}"
 
 
 def format_layers(at_one: Sequence[tuple], at_scale: Sequence[tuple], scale: float) -> str:
@@ -278,15 +286,15 @@ def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
   subnormal (mean); then the held-out loss of MeasuredLossScale against DynamicLossScale."""
   columns = list(zip(*runs, strict=True))
   reference = np.array([r.eval_loss for r in columns[0]])
-  header = (f"{'run':<37s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
+  header = (f"{'run':<46s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
             f"{'final scale':>13s} {'logit grads underflow / subnormal':>33s}")
   lines = [header, "-" * len(header)]
   for seeds in columns:
     loss = np.array([r.eval_loss for r in seeds])
-    lines.append(f"{seeds[0].name:<37s} {_spread(loss, '.4f'):>15s} "
+    lines.append(f"{seeds[0].name:<46s} {_spread(loss, '.4f'):>15s} "
                  f"{_spread(100 * (loss / reference - 1), '+.2f') + '%':>15s} "
                  f"{'/'.join(str(r.skipped) for r in seeds):>7s} "
-                 f"{'/'.join(f'{r.final_scale:g}' for r in seeds):>13s} "
+                 f"{'/'.join(_power_of_two(r.final_scale) for r in seeds):>13s} "
                  f"{100 * np.mean([r.underflow for r in seeds]):22.2f}% / "
                  f"{100 * np.mean([r.subnormal for r in seeds]):5.1f}%")
   gap = [100 * (m.eval_loss / d.eval_loss - 1) for d, m in zip(*columns[2:], strict=True)]
