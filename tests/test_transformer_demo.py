@@ -70,7 +70,8 @@ def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(
   for layer in ["embed", "blocks/norm_1[0]", "blocks/attention/qkv[0]", "blocks/up[1]",
                 "blocks[1]", "norm", "head", "parameter gradients"]:
     assert f"\n{layer} " in printed, layer
-  for run in ["float32", "float16, no loss scaling", "float16, DynamicLossScale(increment_period=10)",
+  for run in ["float32", "float16, no loss scaling",
+              "float16, DynamicLossScale(increment_period=10)",
               "float16, MeasuredLossScale(margin=1)", "MeasuredLossScale vs DynamicLossScale"]:
     assert run in printed, run
   assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
