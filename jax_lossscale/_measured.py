@@ -32,7 +32,8 @@ class MeasuredLossScale(LossScale):
   Give it measurements: `scaled_value_and_grad(loss_fn, probes=True)` returns them,
   `tx.update(..., probes=probes)` passes them on (without probes, the parameter
   gradients are the only measurement). Each update records the largest magnitude seen,
-  unscaled (an overflow records `2 * max_value / scale`: the maximum exceeded
+  unscaled (an overflow, in the parameter gradients or in a probed activation gradient,
+  records `2 * max_value / scale`: the maximum exceeded
   `max_value / scale`, and at half the scale it might fit), and sets the
   scale to the largest power of two `p` with `p * max(history) * 2**margin <= max_value`,
   within `[min_loss_scale, max_loss_scale]`. So the scale sits just below overflow
@@ -100,7 +101,10 @@ class MeasuredLossScale(LossScale):
     limit = np.float32(jnp.finfo(self.dtype).max)
     if measured is None:
       measured = jnp.zeros([], jnp.float32)
-    unscaled = jnp.where(finite, jnp.asarray(measured, jnp.float32) / scale, 2 * limit / scale)
+    # A non-finite measurement (a probed activation gradient that overflowed while the
+    # parameter gradients stayed finite) is an overflow too.
+    unscaled = jnp.asarray(measured, jnp.float32) / scale
+    unscaled = jnp.where(finite & jnp.isfinite(unscaled), unscaled, 2 * limit / scale)
     maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)
     largest = jnp.max(maxima)
     target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,

@@ -55,6 +55,28 @@ def test_an_overflow_drops_the_scale_below_what_it_implies_at_once():
   assert got == [2.0**8]
 
 
+def test_an_overflow_in_a_probed_activation_gradient_backs_off_like_one_in_the_parameters():
+  # The probe's gradient (w times the scale) overflows float16; the parameter gradient
+  # (x times the scale) stays finite, so the step applies, and the scale must still halve.
+  def loss_fn(w, x):
+    h = jls.diagnostics.probe(x.astype(jnp.float16), "input")
+    return jnp.sum((h * w.astype(jnp.float16)).astype(jnp.float32))
+
+  w, x = jnp.full(4, 100.0), jnp.ones(4)
+  tx = jls.loss_scaling(optax.sgd(1e-3), jls.MeasuredLossScale(2.0**10, history=2))
+  state = tx.init(w)
+  grad_fn = jls.scaled_value_and_grad(loss_fn, probes=True)
+  loss, grads, probes = grad_fn(state, w, x)  # 100 * 1024 overflows
+  assert not bool(probes["input"].backward.finite) and jls.all_finite(grads)
+  w, state = tx.apply_gradients(grads, state, w, loss=loss, probes=probes)
+  assert float(state.loss_scale()) == 2.0**9
+  assert bool(jnp.isfinite(state.loss_scale.maxima).all())
+  loss, grads, probes = grad_fn(state, w, x)  # 100 * 512 fits: the scale stays there
+  assert bool(probes["input"].backward.finite)
+  w, state = tx.apply_gradients(grads, state, w, loss=loss, probes=probes)
+  assert float(state.loss_scale()) == 2.0**9
+
+
 def test_zero_gradients_take_the_scale_to_its_cap_and_the_floor_holds():
   got, _ = scales(jls.MeasuredLossScale(4.0, max_loss_scale=2.0**20), [0.0])
   assert got == [2.0**20]
