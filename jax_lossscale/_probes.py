@@ -39,8 +39,8 @@ class TensorSummary(NamedTuple):
       probe was hit once, else the power of two at the bottom of its binade.
     finite: whether every element of every hit was finite.
     zero_fraction: the fraction of elements equal to zero, averaged over hits.
-    subnormal_fraction: the fraction of nonzero elements below 2**-14 in magnitude
-      (float16's subnormal range), averaged over hits.
+    subnormal_fraction: the fraction of elements that are nonzero and below 2**-14 in
+      magnitude (float16's subnormal range), averaged over hits.
   """
   max_abs: jax.Array
   finite: jax.Array

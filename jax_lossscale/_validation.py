@@ -114,10 +114,9 @@ def float32(name: str, value: Any) -> float:
 def scale(name: str, value: Any, minimum: float = 0.0) -> float:
   """A loss scale: a positive float32 normal number, at least `minimum`."""
   number = float32(name, value)
-  if number < minimum:
-    raise ValueError(f"`{name}` must be >= {minimum:g}, got {value!r}.")
-  if number <= 0:
-    raise ValueError(f"`{name}` must be positive, got {value!r}.")
+  if number <= 0 or number < minimum:
+    allowed = f">= {minimum:g}" if minimum > 0 else "positive"
+    raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
   _refuse_flushed(name, value, number, "")
   return number
 
@@ -242,19 +241,28 @@ def loss(value: Any) -> jax.Array:
 
 
 def grads_like_params(grads: Any, params: Any) -> None:
-  """`grads` has a leaf for each leaf of `params`, of its shape (`None` and leaves that
-  are not arrays, as in equinox's filtered trees, are not compared)."""
+  """`grads` has the structure of `params` and a leaf of its shape for each array
+  (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
+  compared); a Python float in `params` (not trained, as in equinox) has no gradient."""
   is_none = lambda x: x is None  # noqa: E731
-  ours = jax.tree.leaves(grads, is_leaf=is_none)
+  ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
   theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   if len(ours) != len(theirs):
     raise ValueError(f"`grads` must have the structure of `params`: {len(ours)} leaves "
                      f"against {len(theirs)}; grads: {str(jax.tree.structure(grads)):.300}.")
-  for g, (path, p) in zip(ours, theirs, strict=True):
+  for (grad_path, g), (path, p) in zip(ours, theirs, strict=True):
+    where = jax.tree_util.keystr(path)
+    if jax.tree_util.keystr(grad_path) != where:
+      raise ValueError(f"`grads` must have the structure of `params`: `grads` has "
+                       f"{jax.tree_util.keystr(grad_path)} where `params` has {where}.")
     if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
-      where = jax.tree_util.keystr(path)
       raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
                        f"`params{where}` {jnp.shape(p)}.")
+    if isinstance(p, float) and g is not None:
+      raise TypeError(
+          f"`params{where}` is the Python float {p!r}, which is not trained (as in "
+          f"equinox, only arrays are), but `grads{where}` is a gradient for it: make the "
+          "parameter an array (jnp.asarray) to train it, or give it no gradient (None).")
 
 
 def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:

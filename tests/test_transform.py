@@ -208,14 +208,29 @@ def test_apply_gradients_without_params_is_refused_naming_params():
 @pytest.mark.parametrize("grads, match", [
     ({"w": jnp.ones(2)}, r"`grads` must have the structure of `params`: 1 leaves against 2"),
     ({"w": jnp.ones(2), "b": jnp.ones(4)}, r"`grads\['b'\]` has shape \(4,\), its parameter "
-                                           r"`params\['b'\]` \(3,\)")],
-    ids=["missing_leaf", "wrong_shape"])
+                                           r"`params\['b'\]` \(3,\)"),
+    ({"weight": jnp.ones(2), "b": jnp.ones(3)}, r"`grads` has \['weight'\] where `params` has "
+                                                r"\['w'\]")],
+    ids=["missing_leaf", "wrong_shape", "renamed_leaf"])
 def test_gradients_that_do_not_match_the_parameters_are_refused_naming_both(grads, match):
   tx = jls.loss_scaling(optax.adam(0.1))
   params = {"w": jnp.ones(2), "b": jnp.ones(3)}
   for step in (tx.update, tx.apply_gradients):
     with pytest.raises(ValueError, match=match):
       step(grads, tx.init(params), params)
+
+
+def test_a_python_float_parameter_with_a_gradient_is_refused_as_not_trained():
+  # Python floats are static, as in equinox: init makes no optimizer state for them,
+  # so a gradient for one would be dropped by apply_gradients (and break Adam's update).
+  tx = jls.loss_scaling(optax.sgd(0.5), jls.NoOpLossScale())
+  params = {"w": jnp.ones(3), "t": 1.0}
+  for step in (tx.update, tx.apply_gradients):
+    with pytest.raises(TypeError, match=r"`params\['t'\]` is the Python float 1.0, which is "
+                                        r"not trained .* make the parameter an array"):
+      step({"w": jnp.ones(3), "t": 3.0}, tx.init(params), params)
+  new, _ = tx.apply_gradients({"w": jnp.ones(3), "t": None}, tx.init(params), params)
+  assert new["t"] == 1.0 and new["w"].tolist() == [0.5] * 3
 
 
 def test_a_state_made_by_another_inner_optimizer_is_named_as_the_likely_cause():
