@@ -11,6 +11,7 @@ input of the probe (no host callback)::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -23,53 +24,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
 
-FLOAT16_MAX = 65504.0
-FLOAT16_SMALLEST_NORMAL = 2.0**-14
-NUM_BINADES = 256  # float32's biased exponents; 255 holds inf (and NaN, taken as inf)
+try:  # public since JAX 0.4.36; without it, probes of one length are taken for one scan's
+  from jax.extend.core import get_opaque_trace_state as _trace_state
+except ImportError:  # pragma: no cover
+  _trace_state = lambda: None  # noqa: E731
+
 LOSS = "<loss>"  # where an overflow after the last probe began
-
-
-class TensorSummary(NamedTuple):
-  """What a probe saw of one tensor, over all its hits.
-
-  Attributes:
-    max_abs: the largest magnitude, inf if any element was inf or NaN: exact where the
-      probe was hit once, else the power of two at the bottom of its binade.
-    finite: whether every element of every hit was finite.
-    zero_fraction: the fraction of elements equal to zero, averaged over hits.
-    subnormal_fraction: the fraction of elements that are nonzero and below 2**-14 in
-      magnitude (float16's subnormal range), averaged over hits.
-  """
-  max_abs: jax.Array
-  finite: jax.Array
-  zero_fraction: jax.Array
-  subnormal_fraction: jax.Array
-
-
-class ProbeSummary(NamedTuple):
-  """What one probe saw. Leading axes: any `vmap`, then the rows of `length`.
-
-  Attributes:
-    hits: how many times the probe was passed through (a module applied twice, each
-      example of a `vmap` inside the loss, each device of a `shard_map`: 2, B, D).
-    forward: the activation, as it went forward.
-    backward: its gradient, as it came back.
-    headroom: how many more doublings of the loss scale the gradient takes before it
-      overflows float16, `floor(log2(65504 / backward.max_abs))`, exact at binade
-      resolution for float16 gradients; inf if all zero, -inf if not finite.
-  """
-  hits: jax.Array
-  forward: TensorSummary
-  backward: TensorSummary
-  headroom: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Probes(Mapping):
-  """Probe name -> `ProbeSummary`, in forward order; a pytree (names, lengths static).
+  """Probe name -> `ProbeSummary`, in forward order; a pytree (its tuples of names,
+  lengths and bodies are static).
 
   Each probe's measurements are sums over its hits, kept as two arrays (split into
   fields inside a jitted step, they would cost a copy each) and summarized on access.
@@ -77,6 +47,9 @@ class Probes(Mapping):
   Attributes:
     names: the probe names, in the order the forward pass first reached them.
     lengths: each probe's number of rows (`length` given to `probe`), or None.
+    bodies: for each probe with rows, the scan body that reached it (the position of
+      that body's first probe); probes of one body interleave their rows in forward
+      order. None for a probe without rows.
     encoded: per probe, float32 `[..., 6]`: the largest magnitude, zero and subnormal
       fractions of the activation, then of the gradient; and float32 `[..., 2, 256]`:
       for each, a one-hot of the largest magnitude's float32 exponent. Summed over
@@ -84,17 +57,11 @@ class Probes(Mapping):
   """
   names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   lengths: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
+  bodies: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
   encoded: tuple[tuple[jax.Array, jax.Array], ...]
 
-  def __getitem__(self, name: str) -> ProbeSummary:
-    values, binades = self.encoded[self.names.index(name)]
-    hits = binades[..., 0, :].sum(-1)
-    forward, backward = (_summarize(hits, values[..., 3 * i:3 * i + 3], binades[..., i, :])
-                         for i in (0, 1))
-    mantissa, exponent = jnp.frexp(backward.max_abs)  # max_abs = mantissa * 2**exponent
-    doublings = 16 - exponent - (mantissa > FLOAT16_MAX / 2**16)
-    return ProbeSummary(hits, forward, backward, jnp.where(
-        backward.max_abs == 0, jnp.inf, jnp.where(backward.finite, doublings, -jnp.inf)))
+  def __getitem__(self, name: str) -> _probe_stats.ProbeSummary:
+    return _probe_stats.summary(*self.encoded[self.names.index(name)])
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.names)
@@ -103,34 +70,33 @@ class Probes(Mapping):
     return len(self.names)
 
 
-def _summarize(hits, values, binades) -> TensorSummary:
-  top = NUM_BINADES - 1 - jnp.argmax(binades[..., ::-1] > 0, axis=-1)
-  # Binade 0 holds zero and float32 subnormals, below anything float16 holds.
-  bottom = jnp.where(top == NUM_BINADES - 1, jnp.inf, jnp.ldexp(1.0, top - 127))
-  bottom = jnp.where((hits > 0) & (top > 0), bottom, 0.0)
-  mean = lambda total: jnp.where(hits > 0, total / jnp.maximum(hits, 1), 0.0)
-  return TensorSummary(jnp.where(hits == 1, values[..., 0], bottom),
-                       binades[..., NUM_BINADES - 1] == 0, mean(values[..., 1]),
-                       mean(values[..., 2]))
-
 # Part of jit's cache key: a jitted function inside the loss is traced again when
 # measurement starts (tests/test_probes.py, inner jit).
 _SESSION = jax.make_user_context(None)
 
 
+class _Reached(NamedTuple):
+  """Where a probe with rows was first reached: what tells its scan body."""
+  stack: str | None  # the stacked module, for the framework adapters' probes
+  index: Any  # the row index given (a scan body's tracer)
+  trace: Any  # JAX's trace at the probe
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
-  """First pass: records each probe's name and length, in forward order."""
+  """First pass: records each probe's name, length and where it was reached, in
+  forward order."""
   lengths: dict[str, int | None]
+  reached: dict[str, _Reached] = dataclasses.field(default_factory=dict, kw_only=True)
   # What probes returned (by id, kept alive): a tensor already probed is not probed again,
   # as a module's output that is its last submodule's.
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
-  def probe(self, x, name, index, length):
-    del index
+  def probe(self, x, name, index, length, stack=None):
     if self.lengths.setdefault(name, length) != length:
       raise ValueError(f"probe {name!r} is used with length={length} and with "
                        f"length={self.lengths[name]}; one name, one length.")
+    self.reached.setdefault(name, _Reached(stack, index, _trace_state()))
     return x
 
 
@@ -140,7 +106,8 @@ class _Measurement:
   stats: Mapping[str, tuple[jax.Array, jax.Array]]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
-  def probe(self, x, name, index, length):
+  def probe(self, x, name, index, length, stack=None):
+    del stack
     if name not in self.stats:
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
@@ -170,6 +137,12 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   Returns:
     `x`.
   """
+  return _probe(x, name, index, length)
+
+
+def _probe(x, name: str, index: Any, length: int | None, stack: str | None = None):
+  """`probe`; `stack` names the stacked module a framework adapter's probe is in (the
+  probes of one stack share its scan body)."""
   if index is not None and length is None:
     raise ValueError(f"probe {name!r}: index={index!r} needs length=, the number of rows.")
   if length is not None and (not isinstance(length, int) or length <= 0):
@@ -180,7 +153,7 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   if session is None or id(x) in session.returned or not jnp.issubdtype(
       jnp.result_type(x), jnp.floating):
     return x
-  out = session.probe(x, name, index, length)
+  out = session.probe(x, name, index, length, **({"stack": stack} if stack else {}))
   session.returned.update({id(x): x, id(out): out})  # the same in both passes
   return out
 
@@ -197,51 +170,7 @@ def _measure(x, stats):
 
 
 _measure.defvjp(lambda x, stats: (x, x),  # the activation, measured with its gradient
-                lambda x, g: (g, _measurements(x, g)))
-
-
-@jax.jit  # traced once per shape, not once per probe
-def _measurements(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction.
-
-  Read as bit patterns: the magnitude's bits are an integer that orders like the
-  magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
-  this step, whose float16 arithmetic it emulates element by element (benchmarks/
-  RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
-  """
-  operands, init = _bit_operands, _bit_init
-  combine = lambda a, b: tuple(jnp.maximum(p, q) if i % 3 == 0 else p + q
-                               for i, (p, q) in enumerate(zip(a, b, strict=True)))
-  reduced = lax.reduce(operands(x) + operands(g), init(x) + init(g), combine,
-                       tuple(range(x.ndim)))
-  maxima = [_as_magnitude(reduced[i], x.dtype).astype(jnp.float32) for i in (0, 3)]
-  fractions = [count.astype(jnp.float32) / x.size for count in reduced[1:3] + reduced[4:]]
-  values = jnp.stack(maxima[:1] + fractions[:2] + maxima[1:] + fractions[2:])
-  binade = lax.bitcast_convert_type(jnp.stack(maxima), jnp.int32) >> 23  # sign bit clear
-  return values, jnp.where(jnp.arange(NUM_BINADES) == binade[:, None], 1.0, 0.0)
-
-
-def _bits(dtype) -> jnp.dtype:
-  return jnp.dtype(f"int{8 * jnp.dtype(dtype).itemsize}")
-
-
-def _bit_operands(t):
-  ints = _bits(t.dtype)
-  bits = lax.bitcast_convert_type(t, ints) & jnp.iinfo(ints).max  # |t|'s bits
-  normal = lax.bitcast_convert_type(jnp.asarray(FLOAT16_SMALLEST_NORMAL, t.dtype), ints)
-  return bits, (bits == 0).astype(jnp.int32), ((bits != 0) & (bits < normal)).astype(jnp.int32)
-
-
-def _bit_init(t):
-  return jnp.zeros((), _bits(t.dtype)), jnp.int32(0), jnp.int32(0)
-
-
-def _as_magnitude(reduced: jax.Array, dtype) -> jax.Array:
-  """A reduced maximum as a magnitude of `dtype` (bits: NaN's become inf's)."""
-  if reduced.dtype == dtype:
-    return reduced
-  inf = lax.bitcast_convert_type(jnp.asarray(jnp.inf, dtype), reduced.dtype)
-  return lax.bitcast_convert_type(jnp.minimum(reduced, inf), dtype)
+                lambda x, g: (g, _probe_stats.measurements(x, g)))
 
 
 def value_and_grad_with_probes(
@@ -271,10 +200,10 @@ def value_and_grad_with_probes(
       "argnums": argnums}
 
   def value_grads_and_probes(*args, **kwargs):
-    stats = _discover(fun, args, kwargs)
+    stats, bodies = _discover(fun, args, kwargs)
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
-      return value, grads, Probes((), (), ())
+      return value, grads, Probes((), (), (), ())
     first = (argnums if isinstance(argnums, int) else argnums[0]) % len(args)
 
     def measured(*packed, **kw):
@@ -289,13 +218,15 @@ def value_and_grad_with_probes(
     (first_grads, cotangents), *rest = (grads,) if isinstance(argnums, int) else grads
     grads = first_grads if isinstance(argnums, int) else (first_grads, *rest)
     lengths = tuple(v.shape[0] if v.ndim == 2 else None for v, _ in stats.values())
-    return value, grads, Probes(tuple(stats), lengths, tuple(map(cotangents.get, stats)))
+    return value, grads, Probes(tuple(stats), lengths, bodies,
+                                tuple(map(cotangents.get, stats)))
 
   return value_grads_and_probes
 
 
-def _discover(fun, args, kwargs) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order."""
+def _discover(fun, args, kwargs) -> tuple[dict[str, tuple[jax.Array, jax.Array]], tuple]:
+  """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
+  and their scan bodies (`Probes.bodies`)."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
@@ -313,8 +244,40 @@ def _discover(fun, args, kwargs) -> dict[str, tuple[jax.Array, jax.Array]]:
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape), manual, to="varying")
   rows = lambda n: () if n is None else (n,)
-  return {name: (zeros(*rows(n), 6), zeros(*rows(n), 2, NUM_BINADES))
-          for name, n in session.lengths.items()}
+  return {name: (zeros(*rows(n), 6), zeros(*rows(n), 2, _probe_stats.NUM_BINADES))
+          for name, n in session.lengths.items()}, _scan_bodies(session)
+
+
+def _scan_bodies(session: _Discovery) -> tuple[int | None, ...]:
+  """`Probes.bodies`: each probe with rows joins the body of the probes before it when
+  they have its length and share its body (`_same_body`); two scans of one length one
+  after the other are two bodies."""
+  names, bodies = list(session.lengths), []
+  for i, name in enumerate(names):
+    start = i if not bodies or bodies[-1] is None else bodies[-1]
+    length = session.lengths[name]
+    if length is None:
+      bodies.append(None)
+    elif start < i and session.lengths[names[start]] == length and _same_body(
+        [session.reached[n] for n in names[start:i]],
+        [session.reached[n] for n in itertools.takewhile(
+            lambda n, length=length: session.lengths[n] == length, names[i:])]):
+      bodies.append(start)
+    else:
+      bodies.append(i)
+  return tuple(bodies)
+
+
+def _same_body(body: list[_Reached], rest: list[_Reached]) -> bool:
+  """Whether `rest[0]` is in the scan body of the probes `body`, `rest` following it.
+
+  When in one stacked module (the framework adapters' probes), when given the same
+  index tracer, or when a trace of the body is seen again from `rest[0]` on (the body's
+  own trace, around a `jax.checkpoint` inside the body).
+  """
+  first = rest[0]
+  return any((first.stack is not None and r.stack == first.stack) or r.index is first.index
+             for r in body) or any(r.trace == later.trace for r in body for later in rest)
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

@@ -28,10 +28,10 @@ from jax_lossscale import _policy
 from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale._probe_stats import ProbeSummary
+from jax_lossscale._probe_stats import TensorSummary
 from jax_lossscale._probes import LOSS
 from jax_lossscale._probes import Probes
-from jax_lossscale._probes import ProbeSummary
-from jax_lossscale._probes import TensorSummary
 from jax_lossscale._probes import probe
 
 __all__ = ("LOSS", "LossScaleAdvice", "ProbeSummary", "Probes", "TensorSummary",
@@ -276,20 +276,20 @@ def layers(probes: Probes) -> list[tuple[str, ProbeSummary]]:
   """`(name, summary)` for every probe in forward order, one per row of a scanned probe
   (named `"name[row]"`), as numpy arrays on the host.
 
-  Consecutive probes with the same length are taken for one scan body's, whose rows
-  interleave: a[0], b[0], a[1], b[1], ... (rows in index order).
+  The rows of the probes of one scan body interleave: a[0], b[0], a[1], b[1], ...
+  (`Probes.bodies`; two scans one after the other give a[0], a[1], b[0], b[1]).
   """
   summaries, order = summarize(probes), []
   row = lambda summary, r: jax.tree.map(lambda a: a[..., r], summary)
-  runs = itertools.groupby(zip(probes.names, probes.lengths, strict=True),
-                           key=lambda name_length: name_length[1] or name_length[0])
-  for length, run in runs:  # `length` is the name itself for an unscanned probe
-    names = [name for name, _ in run]
-    if isinstance(length, str):
-      order.append((length, summaries[length]))
+  runs = itertools.groupby(zip(probes.names, probes.lengths, probes.bodies, strict=True),
+                           key=lambda probe: probe[0] if probe[2] is None else probe[2])
+  for _, run in runs:
+    (name, length, body), *rest = run
+    if body is None:
+      order.append((name, summaries[name]))
     else:
-      order += [(f"{name}[{r}]", row(summaries[name], r)) for r in range(length)
-                for name in names]
+      names = [name] + [n for n, *_ in rest]
+      order += [(f"{n}[{r}]", row(summaries[n], r)) for r in range(length) for n in names]
   return order
 
 

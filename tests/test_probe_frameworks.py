@@ -194,6 +194,34 @@ def test_nnx_an_overflow_in_the_second_stacked_block_is_named_by_its_row():
   assert diagnostics.backward_overflow_origin(probes) == "blocks[1]"
 
 
+class NnxEncoderDecoder(nnx.Module):
+  """Two stacks of three blocks each (the decoder's rematerialized), one after the other."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(4, 8, dtype=F16, rngs=rngs)
+    stack = nnx.split_rngs(splits=3)(nnx.vmap(in_axes=(0,), out_axes=0)(NnxBlock))
+    self.encoder, self.decoder = stack(rngs), stack(rngs)
+
+  def __call__(self, x):
+    run = lambda call: nnx.scan(lambda h, b: call(b, h), in_axes=(nnx.Carry, 0),
+                                out_axes=nnx.Carry)
+    h = run(lambda b, h: b(h))(self.embed(x), self.encoder)
+    return run(nnx.remat(lambda b, h: b(h)))(h, self.decoder)
+
+
+def test_nnx_two_stacks_of_one_depth_are_read_in_forward_order():
+  # Consecutive stacked probes of one length were taken for one scan's: encoder and
+  # decoder rows interleaved, and the decoder's first block was named encoder[1].
+  model = NnxEncoderDecoder(nnx.Rngs(0))
+  model.decoder.factor[...] = jnp.array([jnp.inf, 1.0, 1.0])
+  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))
+  _, _, probes = grad_fn(model, X, jnp.zeros((16, 8)))
+  rows = lambda stack: [f"{stack}{p}[{i}]" for i in range(3) for p in ("/linear", "")]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      "embed", *rows("encoder"), *rows("decoder"), "NnxEncoderDecoder"]
+  assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
+
+
 def test_nnx_gradients_equal_those_without_probes():
   model = NnxModel(nnx.Rngs(0))
   _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))(
@@ -274,6 +302,30 @@ def test_equinox_an_overflow_in_the_third_stacked_block_is_named_by_its_row():
   _, grads, probes = grad_fn(model, X, Y)
   chex.assert_trees_all_equal_structs(grads, eqx.filter(model, eqx.is_inexact_array))
   assert diagnostics.backward_overflow_origin(probes) == "blocks[2]"
+
+
+def test_equinox_two_stacks_of_one_depth_are_read_in_forward_order():
+  class TwoStacks(eqx.Module):
+    encoder: EqxBlock
+    decoder: EqxBlock
+
+    def __call__(self, x):
+      for stack in (self.encoder, self.decoder):
+        dynamic, static = eqx.partition(stack, eqx.is_array)
+        x, _ = lax.scan(lambda h, d, static=static: (eqx.combine(d, static)(h), None),
+                        x, dynamic)
+      return x
+
+  keys = jax.random.split(jax.random.key(0), 6)
+  model = TwoStacks(eqx.filter_vmap(EqxBlock)(keys[:3]), eqx.filter_vmap(EqxBlock)(keys[3:]))
+  model = eqx.tree_at(lambda m: m.decoder.factor, model, jnp.array([jnp.inf, 1.0, 1.0]))
+  loss = lambda m, x: jnp.sum(jax.vmap(m)(x).astype(jnp.float32))
+  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pf.equinox_probes(loss))
+  probes = grad_fn(model, jnp.ones((4, 8), F16))[2]
+  rows = lambda stack: [f"{stack}{p}[{i}]" for i in range(3) for p in ("/linear", "")]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      *rows("encoder"), *rows("decoder"), "TwoStacks"]
+  assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
 
 
 def test_equinox_a_probed_view_reads_attributes_through_to_the_module():

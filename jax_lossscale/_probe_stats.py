@@ -1,0 +1,120 @@
+"""What a probe measures of one tensor and its gradient, and how the sums over its hits
+read back.
+
+One hit is encoded in two float32 arrays that add up over hits (as cotangents do): the
+largest magnitudes and the zero and subnormal fractions, and a one-hot of each largest
+magnitude's float32 exponent, which counts the hits and keeps the top binade.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FLOAT16_MAX = 65504.0
+FLOAT16_SMALLEST_NORMAL = 2.0**-14
+NUM_BINADES = 256  # float32's biased exponents; 255 holds inf (and NaN, taken as inf)
+
+
+class TensorSummary(NamedTuple):
+  """What a probe saw of one tensor, over all its hits.
+
+  Attributes:
+    max_abs: the largest magnitude, inf if any element was inf or NaN: exact where the
+      probe was hit once, else the power of two at the bottom of its binade.
+    finite: whether every element of every hit was finite.
+    zero_fraction: the fraction of elements equal to zero, averaged over hits.
+    subnormal_fraction: the fraction of elements that are nonzero and below 2**-14 in
+      magnitude (float16's subnormal range), averaged over hits.
+  """
+  max_abs: jax.Array
+  finite: jax.Array
+  zero_fraction: jax.Array
+  subnormal_fraction: jax.Array
+
+
+class ProbeSummary(NamedTuple):
+  """What one probe saw. Leading axes: any `vmap`, then the rows of `length`.
+
+  Attributes:
+    hits: how many times the probe was passed through (a module applied twice, each
+      example of a `vmap` inside the loss, each device of a `shard_map`: 2, B, D).
+    forward: the activation, as it went forward.
+    backward: its gradient, as it came back.
+    headroom: how many more doublings of the loss scale the gradient takes before it
+      overflows float16, `floor(log2(65504 / backward.max_abs))`, exact at binade
+      resolution for float16 gradients; inf if all zero, -inf if not finite.
+  """
+  hits: jax.Array
+  forward: TensorSummary
+  backward: TensorSummary
+  headroom: jax.Array
+
+
+def summary(values: jax.Array, binades: jax.Array) -> ProbeSummary:
+  """A probe's `ProbeSummary` from its encoded sums over hits (`Probes.encoded`)."""
+  hits = binades[..., 0, :].sum(-1)
+  forward, backward = (_summarize(hits, values[..., 3 * i:3 * i + 3], binades[..., i, :])
+                       for i in (0, 1))
+  mantissa, exponent = jnp.frexp(backward.max_abs)  # max_abs = mantissa * 2**exponent
+  doublings = 16 - exponent - (mantissa > FLOAT16_MAX / 2**16)
+  return ProbeSummary(hits, forward, backward, jnp.where(
+      backward.max_abs == 0, jnp.inf, jnp.where(backward.finite, doublings, -jnp.inf)))
+
+
+def _summarize(hits, values, binades) -> TensorSummary:
+  top = NUM_BINADES - 1 - jnp.argmax(binades[..., ::-1] > 0, axis=-1)
+  # Binade 0 holds zero and float32 subnormals, below anything float16 holds.
+  bottom = jnp.where(top == NUM_BINADES - 1, jnp.inf, jnp.ldexp(1.0, top - 127))
+  bottom = jnp.where((hits > 0) & (top > 0), bottom, 0.0)
+  mean = lambda total: jnp.where(hits > 0, total / jnp.maximum(hits, 1), 0.0)
+  return TensorSummary(jnp.where(hits == 1, values[..., 0], bottom),
+                       binades[..., NUM_BINADES - 1] == 0, mean(values[..., 1]),
+                       mean(values[..., 2]))
+
+
+@jax.jit  # traced once per shape, not once per probe
+def measurements(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction.
+
+  Read as bit patterns: the magnitude's bits are an integer that orders like the
+  magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
+  this step, whose float16 arithmetic it emulates element by element (benchmarks/
+  RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
+  """
+  operands, init = bit_operands, _bit_init
+  combine = lambda a, b: tuple(jnp.maximum(p, q) if i % 3 == 0 else p + q
+                               for i, (p, q) in enumerate(zip(a, b, strict=True)))
+  reduced = lax.reduce(operands(x) + operands(g), init(x) + init(g), combine,
+                       tuple(range(x.ndim)))
+  maxima = [as_magnitude(reduced[i], x.dtype).astype(jnp.float32) for i in (0, 3)]
+  fractions = [count.astype(jnp.float32) / x.size for count in reduced[1:3] + reduced[4:]]
+  values = jnp.stack(maxima[:1] + fractions[:2] + maxima[1:] + fractions[2:])
+  binade = lax.bitcast_convert_type(jnp.stack(maxima), jnp.int32) >> 23  # sign bit clear
+  return values, jnp.where(jnp.arange(NUM_BINADES) == binade[:, None], 1.0, 0.0)
+
+
+def _bits(dtype) -> jnp.dtype:
+  return jnp.dtype(f"int{8 * jnp.dtype(dtype).itemsize}")
+
+
+def bit_operands(t):
+  ints = _bits(t.dtype)
+  bits = lax.bitcast_convert_type(t, ints) & jnp.iinfo(ints).max  # |t|'s bits
+  normal = lax.bitcast_convert_type(jnp.asarray(FLOAT16_SMALLEST_NORMAL, t.dtype), ints)
+  return bits, (bits == 0).astype(jnp.int32), ((bits != 0) & (bits < normal)).astype(jnp.int32)
+
+
+def _bit_init(t):
+  return jnp.zeros((), _bits(t.dtype)), jnp.int32(0), jnp.int32(0)
+
+
+def as_magnitude(reduced: jax.Array, dtype) -> jax.Array:
+  """A reduced maximum as a magnitude of `dtype` (bits: NaN's become inf's)."""
+  if reduced.dtype == dtype:
+    return reduced
+  inf = lax.bitcast_convert_type(jnp.asarray(jnp.inf, dtype), reduced.dtype)
+  return lax.bitcast_convert_type(jnp.minimum(reduced, inf), dtype)

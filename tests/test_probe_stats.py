@@ -1,0 +1,85 @@
+"""Specification of what one probe measures: exact statistics, headroom, sums over hits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_lossscale import _probe_stats
+from jax_lossscale import _probes as pr
+from jax_lossscale import diagnostics
+
+F16 = jnp.float16
+
+
+def with_probes(fun):
+  return pr.value_and_grad_with_probes(jax.value_and_grad, fun)
+
+
+def injected(cotangent, forward=None):
+  """A loss whose gradient at the probe is exactly `cotangent`."""
+  def loss(w):
+    x = pr.probe(w * (cotangent if forward is None else forward), "p")
+    return jnp.sum(x * (cotangent if forward is None else 1.0))
+  return loss
+
+
+def test_backward_measurements_of_a_crafted_gradient_are_exact():
+  g = jnp.array([0.0, 0.0, 3.0, -1024.0, 2.0**-20, 2.0**-15, 1.0, 0.5], F16)
+  stats = with_probes(injected(g))(jnp.ones(8, F16))[2]["p"]
+  assert int(stats.hits) == 1
+  back = stats.backward
+  assert float(back.max_abs) == 1024.0
+  assert (float(back.zero_fraction), float(back.subnormal_fraction)) == (2 / 8, 2 / 8)
+  assert bool(back.finite) and float(stats.headroom) == 5  # 1024 * 2**5 < 65504
+
+
+def test_forward_measurements_of_a_crafted_activation_are_exact():
+  a = jnp.array([jnp.nan, 0.0, -300.0, 2.0**-16, jnp.inf], F16)
+  probes = with_probes(injected(jnp.ones(5, F16), forward=a))(jnp.ones(5, F16))[2]
+  fwd = diagnostics.summarize(probes)["p"].forward
+  assert float(fwd.max_abs) == np.inf and not fwd.finite  # NaN counts as inf
+  assert (float(fwd.zero_fraction), float(fwd.subnormal_fraction)) == (
+      np.float32(1 / 5), np.float32(1 / 5))
+
+
+@pytest.mark.parametrize("largest, doublings", [
+    (1.0, 15), (0.75, 16), (65504.0, 0), (40000.0, 0), (2.0**-24, 39),
+    (0.0, np.inf), (np.inf, -np.inf)])
+
+
+def test_headroom_counts_the_doublings_before_float16_overflows(largest, doublings):
+  g = jnp.array([largest, 0.0], F16)
+  assert diagnostics.headroom(with_probes(injected(g))(jnp.ones(2, F16))[2])["p"] == doublings
+
+
+def twice(w, x):
+  layer = lambda h: pr.probe(jnp.tanh(h * w), "shared")
+  return jnp.sum(layer(layer(x)) * jnp.array([1.0, 300.0]))
+
+
+def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution():
+  _, _, probes = with_probes(twice)(jnp.float32(1.0), jnp.array([0.5, 0.0]))
+  summary = diagnostics.summarize(probes)["shared"]
+  values, binades = probes.encoded[0]
+  assert float(values[1]) == 1.0 and float(binades.sum()) == 4  # sums: 1/2 + 1/2, 2 x 2
+  assert summary.hits == 2 and summary.forward.zero_fraction == 0.5  # x[1] = 0 each time
+  # Outer hit: 300 (binade 2**8). Inner: 300 * tanh'(tanh(0) = 0) = 300 too.
+  assert summary.backward.max_abs == 256.0 and summary.headroom == 7
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+
+
+def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
+  # The bit-pattern kernel (half the cost of float compares on CPU) changes no number.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 33, 5)) * 10.0 ** rng.integers(-9, 4, size=(6, 33, 5))
+  x[0, 0, :2], x[1, 2, 3], x[2, 2, 2] = 0.0, np.inf, 2.0**-20  # zeros, inf, a subnormal
+  x, g = jnp.asarray(x, dtype), jnp.asarray(x[::-1] * 1e-3, dtype).at[3, 1, 1].set(jnp.nan)
+  for t in (x, g):
+    bits, zeros, subnormal = _probe_stats.bit_operands(t)
+    magnitude = np.where(np.isnan(np.float32(t)), np.inf, np.abs(np.float32(t)))
+    np.testing.assert_array_equal(np.float32(_probe_stats.as_magnitude(bits, t.dtype)), magnitude)
+    np.testing.assert_array_equal(zeros, magnitude == 0)
+    np.testing.assert_array_equal(subnormal, (magnitude > 0) & (magnitude < 2.0**-14))
