@@ -3,9 +3,8 @@
 `python -m jax_lossscale.demo --model transformer`: a small flax NNX transformer language
 model (ALiBi, pre-layer-norm blocks run by `nnx.scan`), float32 master weights, trained on
 Python's bundled documentation in float32, in float16 without loss scaling, with
-`DynamicLossScale(increment_period=10)` (as in the MLP demo: it grows, overflows, skips
-and backs off within the run) and with `MeasuredLossScale(margin=1)` (set from probes on
-every module's output). Prints the per-layer table of the last run's trained model, the held-out
+`DynamicLossScale(increment_period=10)` (it grows, overflows, skips, as in the MLP demo)
+and `MeasuredLossScale(margin=1)` (set from probes on every module's output). Prints the per-layer table of the last run's trained model, the held-out
 losses over seeds, and plots each layer's headroom. Needs the `demo` extra.
 """
 
@@ -264,8 +263,7 @@ def _spread(values: Sequence[float], fmt: str) -> str:
 
 def _power_of_two(x: float) -> str:
   """`2**k` for a power of two above 1, else `x` as `:g` formats it."""
-  k = np.log2(x)
-  return f"2**{k:.0f}" if x > 1 and k == round(k) else f"{x:g}"
+  return f"2**{np.log2(x):.0f}" if x > 1 and np.log2(x) % 1 == 0 else f"{x:g}"
 
 
 def format_layers(at_one: Sequence[tuple], at_scale: Sequence[tuple], scale: float) -> str:
