@@ -4,9 +4,8 @@
 model (ALiBi, pre-layer-norm blocks run by `nnx.scan`), float32 master weights, trained on
 Python's bundled documentation in float32, in float16 without loss scaling, with
 `DynamicLossScale(increment_period=10)` (it grows, overflows, skips, as in the MLP demo)
-and `MeasuredLossScale(margin=1)` (set from probes on every module's output). Prints the
-last run's per-layer table, the held-out losses over seeds, and plots each layer's
-headroom. Needs the `demo` extra.
+and `MeasuredLossScale(margin=1)` (set from probes at every module). Prints the last run's
+per-layer table and the losses over seeds, plots each layer's headroom (`demo` extra).
 """
 
 from __future__ import annotations
