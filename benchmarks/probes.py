@@ -110,8 +110,8 @@ class _Sizes:
   seen: dict
   returned: dict = dataclasses.field(default_factory=dict)
 
-  def probe(self, x, name, index, length, stack=None):
-    del index, stack
+  def probe(self, x, name, index, length):
+    del index
     self.seen.setdefault(name, math.prod(x.shape) * (length or 1))
     return x
 

@@ -36,7 +36,10 @@ class MeasuredLossScale(LossScale):
   records `2 * max_value / scale`: the maximum exceeded
   `max_value / scale`, and at half the scale it might fit), and sets the
   scale to the largest power of two `p` with `p * max(history) * 2**margin <= max_value`,
-  within `[min_loss_scale, max_loss_scale]`. So the scale sits just below overflow
+  within `[min_loss_scale, max_loss_scale]`. A probe hit several times (a `vmap` inside
+  the loss, each device of a `shard_map`) knows its largest magnitude only to a binade
+  and is recorded at the binade's top, 2**e, so the scale may sit one doubling lower
+  than the exact maximum would allow. So the scale sits just below overflow
   without the grow-overflow-skip cycle of `DynamicLossScale`; a step is skipped only
   when a gradient grows more than `2**margin` times beyond the recent maximum.
 

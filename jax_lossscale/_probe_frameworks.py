@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_lossscale import _probes
 
-_NAME, _INDEX, _LENGTH, _STACK = "_probe_name", "_probe_index", "_probe_length", "_probe_stack"
+_NAME, _INDEX, _LENGTH = "_probe_name", "_probe_index", "_probe_length"
 
 
 def _key_name(key: Any) -> str:
@@ -39,17 +39,15 @@ def _join(path) -> str:
   return "/".join(_key_name(key) for key in path)
 
 
-def _probe_output(out: Any, name: str, index: Any = None, length: int | None = None,
-                  stack: str | None = None):
-  """`probe` on each array of a module's output: `name`, or `name/key` for several.
-  `stack`: the stacked module it is part of (its rows share that module's scan)."""
+def _probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
+  """`probe` on each array of a module's output: `name`, or `name/key` for several."""
   leaves = jax.tree_util.tree_leaves_with_path(out)
   if index is not None and jnp.ndim(index) != 0:  # not sliced by a scan: no rows
-    index = length = stack = None
+    index = length = None
 
   def one(path, leaf):
     where = name if len(leaves) == 1 else f"{name}/{_join(path)}"
-    return _probes._probe(leaf, where, index, length, stack)  # pylint: disable=protected-access
+    return _probes.probe(leaf, where, index=index, length=length)
 
   return jax.tree_util.tree_map_with_path(one, out)
 
@@ -145,17 +143,13 @@ def _nnx_annotated(model):
       length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
                      if lengths.get(path[:i]) is not None), None)
       setattr(module, _NAME, _join(path) or type(module).__name__)
-      if length is not None:
-        # The outermost module of the stack below the model (whose arrays may all be
-        # stacks, of several scans).
-        stack = next((i for i in range(1, len(path) + 1) if lengths.get(path[:i]) == length), 0)
+      if length is not None and _probes.stacked_rows():
         setattr(module, _INDEX, nnx.Variable(jnp.arange(length)))
         setattr(module, _LENGTH, length)
-        setattr(module, _STACK, _join(path[:stack]) or type(model).__name__)
     yield {type(module) for module in modules.values()}
   finally:
     for module in modules.values():
-      for attribute in (_NAME, _INDEX, _LENGTH, _STACK):
+      for attribute in (_NAME, _INDEX, _LENGTH):
         if attribute in vars(module):
           delattr(module, attribute)
 
@@ -188,7 +182,7 @@ def _probing_call(call):
     index = getattr(self, _INDEX, None)
     return _probe_output(out, getattr(self, _NAME),
                          None if index is None else index.get_value(),
-                         getattr(self, _LENGTH, None), getattr(self, _STACK, None))
+                         getattr(self, _LENGTH, None))
 
   __call__._probes_output = True
   return __call__
@@ -214,26 +208,24 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Returns:
     The probed `fun`.
   """
-  return _while_probing(fun, lambda model, *args, **kwargs: fun(
-      _equinox_view(model, (), None, None), *args, **kwargs))
+  return _while_probing(
+      fun, lambda model, *args, **kwargs: fun(_equinox_view(model, (), None), *args, **kwargs))
 
 
-def _equinox_view(module, path, inherited: int | None, stack: str | None):
+def _equinox_view(module, path, inherited: int | None):
   import equinox as eqx
 
   arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
   length = _stacked_length(arrays) if arrays else inherited
-  name = _join(path) or type(module).__name__
-  # The outermost module of the stack below the model (whose arrays may all be stacks).
-  stack = None if length is None else stack if length == inherited and stack else name
   is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
   children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
   view = jax.tree.unflatten(treedef, [
-      _equinox_view(child, path + key, length, stack if path else None)
-      if is_submodule(child) else child
+      _equinox_view(child, path + key, length) if is_submodule(child) else child
       for key, child in children])
+  if length is not None and not _probes.stacked_rows():
+    length = None
   index = None if length is None else jnp.arange(length)
-  return _equinox_probed()(view, index, name, length, stack)
+  return _equinox_probed()(view, index, _join(path) or type(module).__name__, length)
 
 
 @functools.cache  # one class, made when equinox is first needed
@@ -246,11 +238,10 @@ def _equinox_probed():
     index: jax.Array | None
     name: str = eqx.field(static=True)
     length: int | None = eqx.field(static=True)
-    stack: str | None = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
       return _probe_output(self.module(*args, **kwargs), self.name, self.index,
-                           self.length, self.stack)
+                           self.length)
 
     def __getattr__(self, attribute):
       if attribute == "module":  # not set yet: no recursion

@@ -11,35 +11,32 @@ input of the probe (no host callback)::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
+from jax.extend.core import Literal
 
 from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
 
-try:  # public since JAX 0.4.36; without it, probes of one length are taken for one scan's
-  from jax.extend.core import get_opaque_trace_state as _trace_state
-except ImportError:  # pragma: no cover
-  _trace_state = lambda: None  # noqa: E731
-
 LOSS = "<loss>"  # where an overflow after the last probe began
+_MARK = 1 << 30  # a hit's marker in the first pass's program: _MARK + its number
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Probes(Mapping):
   """Probe name -> `ProbeSummary`, in forward order; a pytree (its tuples of names,
-  lengths and bodies are static).
+  lengths and order are static).
 
   Each probe's measurements are sums over its hits, kept as two arrays (split into
   fields inside a jitted step, they would cost a copy each) and summarized on access.
@@ -47,9 +44,8 @@ class Probes(Mapping):
   Attributes:
     names: the probe names, in the order the forward pass first reached them.
     lengths: each probe's number of rows (`length` given to `probe`), or None.
-    bodies: for each probe with rows, the scan body that reached it (the position of
-      that body's first probe); probes of one body interleave their rows in forward
-      order. None for a probe without rows.
+    order: `(name, row)` for every row of every probe (row None for a probe without
+      rows), in forward order: the rows of the probes of one loop body interleave.
     encoded: per probe, float32 `[..., 6]`: the largest magnitude, zero and subnormal
       fractions of the activation, then of the gradient; and float32 `[..., 2, 256]`:
       for each, a one-hot of the largest magnitude's float32 exponent. Summed over
@@ -57,7 +53,7 @@ class Probes(Mapping):
   """
   names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   lengths: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
-  bodies: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
+  order: tuple[tuple[str, int | None], ...] = dataclasses.field(metadata={"static": True})
   encoded: tuple[tuple[jax.Array, jax.Array], ...]
 
   def __getitem__(self, name: str) -> _probe_stats.ProbeSummary:
@@ -75,29 +71,25 @@ class Probes(Mapping):
 _SESSION = jax.make_user_context(None)
 
 
-class _Reached(NamedTuple):
-  """Where a probe with rows was first reached: what tells its scan body."""
-  stack: str | None  # the stacked module, for the framework adapters' probes
-  index: Any  # the row index given (a scan body's tracer)
-  trace: Any  # JAX's trace at the probe
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
-  """First pass: records each probe's name, length and where it was reached, in
-  forward order."""
+  """First pass: records each probe's name and length, and each hit in trace order
+  (with its index, if a Python int), marked in the program so that the loop around it
+  can be found (`_forward_order`)."""
   lengths: dict[str, int | None]
-  reached: dict[str, _Reached] = dataclasses.field(default_factory=dict, kw_only=True)
+  hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
+  rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
+  indexed: list = dataclasses.field(default_factory=list, kw_only=True)
   # What probes returned (by id, kept alive): a tensor already probed is not probed again,
   # as a module's output that is its last submodule's.
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
-  def probe(self, x, name, index, length, stack=None):
+  def probe(self, x, name, index, length):
     if self.lengths.setdefault(name, length) != length:
       raise ValueError(f"probe {name!r} is used with length={length} and with "
                        f"length={self.lengths[name]}; one name, one length.")
-    self.reached.setdefault(name, _Reached(stack, index, _trace_state()))
-    return x
+    self.hits.append((name, index if isinstance(index, int) else None))
+    return lax.optimization_barrier((x, np.int32(_MARK + len(self.hits) - 1)))[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,9 +97,9 @@ class _Measurement:
   """Second pass: each probe measures into its stats input."""
   stats: Mapping[str, tuple[jax.Array, jax.Array]]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
+  rows: bool = dataclasses.field(default=True, kw_only=True)
 
-  def probe(self, x, name, index, length, stack=None):
-    del stack
+  def probe(self, x, name, index, length):
     if name not in self.stats:
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
@@ -137,12 +129,6 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   Returns:
     `x`.
   """
-  return _probe(x, name, index, length)
-
-
-def _probe(x, name: str, index: Any, length: int | None, stack: str | None = None):
-  """`probe`; `stack` names the stacked module a framework adapter's probe is in (the
-  probes of one stack share its scan body)."""
   if index is not None and length is None:
     raise ValueError(f"probe {name!r}: index={index!r} needs length=, the number of rows.")
   if length is not None and (not isinstance(length, int) or length <= 0):
@@ -153,7 +139,7 @@ def _probe(x, name: str, index: Any, length: int | None, stack: str | None = Non
   if session is None or id(x) in session.returned or not jnp.issubdtype(
       jnp.result_type(x), jnp.floating):
     return x
-  out = session.probe(x, name, index, length, **({"stack": stack} if stack else {}))
+  out = session.probe(x, name, index, length)
   session.returned.update({id(x): x, id(out): out})  # the same in both passes
   return out
 
@@ -161,6 +147,20 @@ def _probe(x, name: str, index: Any, length: int | None, stack: str | None = Non
 def probing() -> bool:
   """Whether probes are found or measured now (in `value_and_grad_with_probes`)."""
   return _SESSION.value is not None
+
+
+def stacked_rows() -> bool:
+  """Whether the framework adapters give stacked modules an index, for a row per layer.
+
+  Off when the first pass failed with them: in a stack of stacks, a scan would slice the
+  inner modules' index twice. Their probes then sum over the layers.
+  """
+  session = _SESSION.value
+  if session is None or not session.rows:
+    return False
+  if isinstance(session, _Discovery):
+    session.indexed.append(True)
+  return True
 
 
 @jax.custom_vjp
@@ -200,7 +200,11 @@ def value_and_grad_with_probes(
       "argnums": argnums}
 
   def value_grads_and_probes(*args, **kwargs):
-    stats, bodies = _discover(fun, args, kwargs)
+    if not args:
+      raise TypeError(f"differentiating with respect to argnums={argnums!r} needs the "
+                      "arguments passed positionally, got keyword arguments only "
+                      f"({', '.join(kwargs)}).")
+    rows, (stats, order) = _discover_retrying_without_rows(fun, args, kwargs)
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
       return value, grads, Probes((), (), (), ())
@@ -209,7 +213,7 @@ def value_and_grad_with_probes(
     def measured(*packed, **kw):
       unpacked = list(packed)
       unpacked[first], stats = packed[first]
-      with _SESSION(_Measurement(stats)):
+      with _SESSION(_Measurement(stats, rows=rows)):
         return fun(*unpacked, **kw)
 
     packed = list(args)
@@ -218,15 +222,29 @@ def value_and_grad_with_probes(
     (first_grads, cotangents), *rest = (grads,) if isinstance(argnums, int) else grads
     grads = first_grads if isinstance(argnums, int) else (first_grads, *rest)
     lengths = tuple(v.shape[0] if v.ndim == 2 else None for v, _ in stats.values())
-    return value, grads, Probes(tuple(stats), lengths, bodies,
+    return value, grads, Probes(tuple(stats), lengths, order,
                                 tuple(map(cotangents.get, stats)))
 
   return value_grads_and_probes
 
 
-def _discover(fun, args, kwargs) -> tuple[dict[str, tuple[jax.Array, jax.Array]], tuple]:
+def _discover_retrying_without_rows(fun, args, kwargs):
+  """`(rows, _discover(...))`, without the adapters' stacked rows if it failed with them."""
+  session = _Discovery({})
+  try:
+    return True, _discover(session, fun, args, kwargs)
+  except Exception as error:  # noqa: BLE001 (raised again unless rows were the cause)
+    if not session.indexed:
+      raise
+    try:
+      return False, _discover(_Discovery({}, rows=False), fun, args, kwargs)
+    except Exception:  # noqa: BLE001
+      raise error from None
+
+
+def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
-  and their scan bodies (`Probes.bodies`)."""
+  and `Probes.order`."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
@@ -236,48 +254,50 @@ def _discover(fun, args, kwargs) -> tuple[dict[str, tuple[jax.Array, jax.Array]]
     a, k = jax.tree.unflatten(treedef, merged)
     fun(*a, **k)
 
-  session = _Discovery({})
   with _SESSION(session):
-    jax.eval_shape(traced, [leaf if array else None for leaf, array in zip(
+    program = jax.make_jaxpr(traced)([leaf if array else None for leaf, array in zip(
         leaves, is_array, strict=True)])
   # Inside shard_map, each device's own: stats varying over the mesh, as under pmap.
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape), manual, to="varying")
   rows = lambda n: () if n is None else (n,)
   return {name: (zeros(*rows(n), 6), zeros(*rows(n), 2, _probe_stats.NUM_BINADES))
-          for name, n in session.lengths.items()}, _scan_bodies(session)
+          for name, n in session.lengths.items()}, _forward_order(
+              session, _loops(program.jaxpr))
 
 
-def _scan_bodies(session: _Discovery) -> tuple[int | None, ...]:
-  """`Probes.bodies`: each probe with rows joins the body of the probes before it when
-  they have its length and share its body (`_same_body`); two scans of one length one
-  after the other are two bodies."""
-  names, bodies = list(session.lengths), []
-  for i, name in enumerate(names):
-    start = i if not bodies or bodies[-1] is None else bodies[-1]
-    length = session.lengths[name]
-    if length is None:
-      bodies.append(None)
-    elif start < i and session.lengths[names[start]] == length and _same_body(
-        [session.reached[n] for n in names[start:i]],
-        [session.reached[n] for n in itertools.takewhile(
-            lambda n, length=length: session.lengths[n] == length, names[i:])]):
-      bodies.append(start)
+def _loops(jaxpr, loop: int | None = None, found: dict | None = None) -> dict[int, int | None]:
+  """Hit -> the innermost `scan` or `while` around it (an id), from the hits' markers."""
+  found = {} if found is None else found
+  for eqn in jaxpr.eqns:
+    tag = eqn.invars[-1] if eqn.primitive.name == "optimization_barrier" else None
+    if isinstance(tag, Literal) and int(tag.val) >= _MARK:
+      found[int(tag.val) - _MARK] = loop
+    inner = id(eqn) if eqn.primitive.name in ("scan", "while") else loop
+    for sub in jax.tree.leaves(eqn.params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
+      if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+        _loops(getattr(sub, "jaxpr", sub), inner, found)
+  return found
+
+
+def _forward_order(session: _Discovery, loops: dict[int, int | None]) -> tuple:
+  """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
+  a loop's index, of every probe of that loop body (by length) interleaved."""
+  lengths, bodies, order = session.lengths, {}, {}
+  for k, (name, index) in enumerate(session.hits):
+    if lengths[name] is not None and index is None and loops.get(k) is not None:
+      members = bodies.setdefault((loops[k], lengths[name]), [])
+      members += [] if name in members else [name]
+  for k, (name, index) in enumerate(session.hits):
+    length = lengths[name]
+    if length is None or index is not None:
+      order.setdefault((name, index), None)
     else:
-      bodies.append(i)
-  return tuple(bodies)
-
-
-def _same_body(body: list[_Reached], rest: list[_Reached]) -> bool:
-  """Whether `rest[0]` is in the scan body of the probes `body`, `rest` following it.
-
-  When in one stacked module (the framework adapters' probes), when given the same
-  index tracer, or when a trace of the body is seen again from `rest[0]` on (the body's
-  own trace, around a `jax.checkpoint` inside the body).
-  """
-  first = rest[0]
-  return any((first.stack is not None and r.stack == first.stack) or r.index is first.index
-             for r in body) or any(r.trace == later.trace for r in body for later in rest)
+      names = bodies.get((loops.get(k), length), [name])
+      order.update(dict.fromkeys((n, r) for r in range(length) for n in names))
+  for name, length in lengths.items():  # rows never hit
+    order.update(dict.fromkeys((name, r) for r in range(length or 0)))
+  return tuple(order)
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

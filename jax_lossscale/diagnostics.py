@@ -13,7 +13,6 @@ Three failure modes look alike from the outside ("loss scale already at minimum"
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -259,11 +258,15 @@ def backward_overflow_origin(probes: Probes) -> str | None:
   Gradients flow from the loss back, so the first non-finite one is at the non-finite
   backward probe nearest the loss (the last in forward order). It was computed by the
   backward pass of what consumed that activation: the next probe in forward order,
-  named here (`LOSS` after the last). A scanned probe's row is `"name[row]"`.
+  named here (`LOSS` after the last): the next that was hit (not one in a `lax.cond`
+  branch that was not taken). A scanned probe's row is `"name[row]"`.
   """
   order = layers(probes)
   bad = [i for i, (_, summary) in enumerate(order) if not summary.backward.finite.all()]
-  return ([where for where, _ in order] + [_probes.LOSS])[bad[-1] + 1] if bad else None
+  if not bad:
+    return None
+  return next((where for where, summary in order[bad[-1] + 1:] if np.any(summary.hits > 0)),
+              _probes.LOSS)
 
 
 def forward_nonfinite_origin(probes: Probes) -> str | None:
@@ -273,24 +276,16 @@ def forward_nonfinite_origin(probes: Probes) -> str | None:
 
 
 def layers(probes: Probes) -> list[tuple[str, ProbeSummary]]:
-  """`(name, summary)` for every probe in forward order, one per row of a scanned probe
+  """`(name, summary)` for every probe in forward order, one per row of a probe with rows
   (named `"name[row]"`), as numpy arrays on the host.
 
-  The rows of the probes of one scan body interleave: a[0], b[0], a[1], b[1], ...
-  (`Probes.bodies`; two scans one after the other give a[0], a[1], b[0], b[1]).
+  The rows of the probes of one loop body interleave: a[0], b[0], a[1], b[1], ...
+  (`Probes.order`; two scans one after the other give a[0], a[1], b[0], b[1]).
   """
-  summaries, order = summarize(probes), []
-  row = lambda summary, r: jax.tree.map(lambda a: a[..., r], summary)
-  runs = itertools.groupby(zip(probes.names, probes.lengths, probes.bodies, strict=True),
-                           key=lambda probe: probe[0] if probe[2] is None else probe[2])
-  for _, run in runs:
-    (name, length, body), *rest = run
-    if body is None:
-      order.append((name, summaries[name]))
-    else:
-      names = [name] + [n for n, *_ in rest]
-      order += [(f"{n}[{r}]", row(summaries[n], r)) for r in range(length) for n in names]
-  return order
+  summaries = summarize(probes)
+  return [(name, summaries[name]) if row is None else
+          (f"{name}[{row}]", jax.tree.map(lambda a, r=row: a[..., r], summaries[name]))
+          for name, row in probes.order]
 
 
 def table(probes: Probes) -> str:

@@ -77,6 +77,24 @@ def test_an_overflow_in_a_probed_activation_gradient_backs_off_like_one_in_the_p
   assert float(state.loss_scale()) == 2.0**9
 
 
+def test_a_probe_hit_several_times_costs_one_doubling_of_margin_at_most():
+  # Under a vmap inside the loss the probe keeps its maximum's binade, taken at its top.
+  def loss_fn(w, x, batched):
+    f = lambda x: jls.diagnostics.probe((x * w).astype(jnp.float16), "h").astype(
+        jnp.float32) * 1.5
+    return jnp.sum(jax.vmap(f)(x) if batched else f(x))
+
+  w, x = jnp.ones(2), jnp.full((4, 2), 1e-3)
+  scales = []
+  for batched in (False, True):
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.MeasuredLossScale())
+    state = tx.init(w)
+    loss, grads, probes = jls.scaled_value_and_grad(loss_fn, probes=True)(state, w, x, batched)
+    scales.append(float(tx.apply_gradients(grads, state, w, loss=loss, probes=probes)[1]
+                        .loss_scale()))
+  assert scales == [2.0**15, 2.0**14]  # 1.5 * 2**15 fits below 65504; 2 * 2**15 would not
+
+
 def test_zero_gradients_take_the_scale_to_its_cap_and_the_floor_holds():
   got, _ = scales(jls.MeasuredLossScale(4.0, max_loss_scale=2.0**20), [0.0])
   assert got == [2.0**20]

@@ -222,6 +222,43 @@ def test_nnx_two_stacks_of_one_depth_are_read_in_forward_order():
   assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
 
 
+class NnxLayer(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.linear(x))
+
+
+def nnx_stack(cls, n, rngs):
+  return nnx.split_rngs(splits=n)(nnx.vmap(in_axes=(0,), out_axes=0)(cls))(rngs)
+
+
+def nnx_run(stack, h):
+  return nnx.scan(lambda h, m: m(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(h, stack)
+
+
+class NnxGroup(nnx.Module):
+  def __init__(self, rngs):
+    self.layers = nnx_stack(NnxLayer, 2, rngs)
+
+  def __call__(self, x):
+    return nnx_run(self.layers, x)
+
+
+def test_nnx_a_stack_of_stacks_is_probed_with_its_layers_summed():
+  # It failed with IndexError: the outer scan sliced the inner modules' row index,
+  # which the inner scan then sliced again.
+  model = nnx_stack(NnxGroup, 3, nnx.Rngs(0))
+  loss = lambda m, x: jnp.sum(nnx_run(m, x))
+  x = jnp.ones((4, 8))
+  value, grads, probes = pr.value_and_grad_with_probes(nnx.value_and_grad,
+                                                       pf.nnx_probes(loss))(model, x)
+  chex.assert_trees_all_equal((value, grads), nnx.value_and_grad(loss)(model, x))
+  assert [(n, int(s.hits)) for n, s in diagnostics.layers(probes)] == [
+      ("layers/linear", 6), ("layers", 6), ("NnxGroup", 3)]
+
+
 def test_nnx_gradients_equal_those_without_probes():
   model = NnxModel(nnx.Rngs(0))
   _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))(
@@ -326,6 +363,33 @@ def test_equinox_two_stacks_of_one_depth_are_read_in_forward_order():
   assert [name for name, _ in diagnostics.layers(probes)] == [
       *rows("encoder"), *rows("decoder"), "TwoStacks"]
   assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
+
+
+def eqx_run(stack, h):
+  dynamic, static = eqx.partition(stack, eqx.is_array)
+  return lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)[0]
+
+
+class EqxGroup(eqx.Module):
+  blocks: EqxBlock
+
+  def __init__(self, key):
+    self.blocks = eqx.filter_vmap(EqxBlock)(jax.random.split(key, 2))
+
+  def __call__(self, x):
+    return eqx_run(self.blocks, x)
+
+
+def test_equinox_a_stack_of_stacks_is_probed_with_its_layers_summed():
+  # It failed with IndexError, as for NNX.
+  model = eqx.filter_vmap(EqxGroup)(jax.random.split(jax.random.key(0), 3))
+  loss = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
+  x = jnp.ones(8, F16)
+  value, grads, probes = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
+                                                       pf.equinox_probes(loss))(model, x)
+  chex.assert_trees_all_equal((value, grads), eqx.filter_value_and_grad(loss)(model, x))
+  assert [(n, int(s.hits)) for n, s in diagnostics.layers(probes)] == [
+      ("blocks/linear", 6), ("blocks", 6), ("EqxGroup", 3)]
 
 
 def test_equinox_a_probed_view_reads_attributes_through_to_the_module():

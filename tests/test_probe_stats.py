@@ -46,8 +46,6 @@ def test_forward_measurements_of_a_crafted_activation_are_exact():
 @pytest.mark.parametrize("largest, doublings", [
     (1.0, 15), (0.75, 16), (65504.0, 0), (40000.0, 0), (2.0**-24, 39),
     (0.0, np.inf), (np.inf, -np.inf)])
-
-
 def test_headroom_counts_the_doublings_before_float16_overflows(largest, doublings):
   g = jnp.array([largest, 0.0], F16)
   assert diagnostics.headroom(with_probes(injected(g))(jnp.ones(2, F16))[2])["p"] == doublings
@@ -69,8 +67,6 @@ def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-
-
 def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
   # The bit-pattern kernel (half the cost of float compares on CPU) changes no number.
   rng = np.random.default_rng(0)

@@ -207,35 +207,73 @@ def test_an_overflow_in_the_third_scanned_layer_is_named_by_its_row():
   assert diagnostics.backward_overflow_origin(probes) == "block[2]"
 
 
-def stacks(params, x, overflow_in=None, remat=False):
-  """Two scans of two layers each (an encoder and a decoder of equal depth), probed
-  "enc" and "dec"; in the decoder's body, also "dec/inner" (inside a `jax.checkpoint`
-  with `remat`). `overflow_in`: the stack whose layer 0 overflows in the backward pass."""
+INNER = {  # a second probe in the decoder's body, after its own
+    "none": None,
+    "checkpoint": lambda h, i: jax.checkpoint(
+        lambda h: pr.probe(jnp.tanh(h), "dec/inner", index=i, length=2))(h),
+    "checkpoint_given_the_index": lambda h, i: jax.checkpoint(
+        lambda h, i: pr.probe(jnp.tanh(h), "dec/inner", index=i, length=2))(h, i),
+    "jit_given_the_index": lambda h, i: jax.jit(
+        lambda h, i: pr.probe(jnp.tanh(h), "dec/inner", index=i, length=2))(h, i),
+    "without_rows": lambda h, i: pr.probe(jnp.tanh(h), "dec/shared"),
+    "without_rows_between": lambda h, i: pr.probe(
+        jnp.tanh(pr.probe(h * 0.5, "dec/shared")), "dec/inner", index=i, length=2),
+}
+
+
+def stacks(params, x, inner=None):
+  """Two scans of two layers each (an encoder and a decoder of equal depth), probed "enc"
+  and "dec"; the decoder's layer 0 overflows in its backward pass."""
   def stack(name, h, ws):
     def body(h, layer):
       i, w = layer
-      h = h @ w.astype(F16)
-      if name == "dec":
-        inner = lambda h: pr.probe(jnp.tanh(h), "dec/inner", index=i, length=2)
-        h = jax.checkpoint(inner)(h) if remat else inner(h)
-      h = scale_backward(h, jnp.where((i == 0) & (name == overflow_in), jnp.inf, 1.0))
-      return pr.probe(h, name, index=i, length=2), None
+      h = scale_backward(h @ w.astype(F16), jnp.where((i == 0) & (name == "dec"), jnp.inf, 1.0))
+      h = pr.probe(h, name, index=i, length=2)
+      return (h if inner is None or name == "enc" else inner(h, i)), None
     return lax.scan(body, h, (jnp.arange(2), ws))[0]
 
   return jnp.sum(stack("dec", stack("enc", x, params[:2]), params[2:]).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint_in_the_body"])
-
-
-def test_two_scans_of_one_length_are_two_bodies_in_forward_order(remat):
-  # They were taken for one body: enc[0], dec[0], enc[1], dec[1], and an overflow in
-  # dec[0] was named dec[1].
-  probes = with_probes(lambda p, x: stacks(p, x, "dec", remat))(jnp.stack(PARAMS), X)[2]
+@pytest.mark.parametrize("inner", INNER)
+def test_two_scans_of_one_length_are_read_in_forward_order(inner):
+  # Consecutive probes of one length were taken for one body: enc[0], dec[0], enc[1],
+  # dec[1], and the overflow in dec[0] was named dec[1].
+  loss = lambda p, x: stacks(p, x, INNER[inner])
+  probes = with_probes(loss)(jnp.stack(PARAMS), X)[2]
+  second = {"none": [], "without_rows": []}.get(inner, ["dec/inner[0]", "dec/inner[1]"])
   assert [name for name, _ in diagnostics.layers(probes)] == [
-      "enc[0]", "enc[1]", "dec/inner[0]", "dec[0]", "dec/inner[1]", "dec[1]"]
+      "enc[0]", "enc[1]", "dec[0]", *second[:1], "dec[1]", *second[1:],
+      *(["dec/shared"] if inner.startswith("without_rows") else [])]
   assert diagnostics.backward_overflow_origin(probes) == "dec[0]"
-  assert probes.bodies == (0, 1, 1)
+
+
+def test_rows_given_as_python_ints_are_in_the_order_they_were_hit():
+  def loss(ws, x):
+    h = x
+    for i in range(2):  # two unrolled stacks, the second's layer 0 overflowing
+      h = pr.probe(jnp.tanh(h @ ws[i].astype(F16)), "enc", index=i, length=2)
+    for i in range(2):
+      h = scale_backward(h @ ws[2 + i].astype(F16), jnp.float32(jnp.inf if i == 0 else 1))
+      h = pr.probe(pr.probe(h, "attn", index=i, length=2) * 2, "mlp", index=i, length=2)
+    return jnp.sum(h.astype(jnp.float32))
+
+  probes = with_probes(loss)(PARAMS, X)[2]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      "enc[0]", "enc[1]", "attn[0]", "mlp[0]", "attn[1]", "mlp[1]"]
+  assert diagnostics.backward_overflow_origin(probes) == "attn[0]"
+
+
+def test_a_probe_in_a_branch_not_taken_is_not_named_the_origin():
+  def loss(w, x, take_b):
+    h = pr.probe(jnp.tanh(x * w), "a")
+    h = lax.cond(take_b, lambda h: pr.probe(h * 2, "expert_b"),
+                 lambda h: pr.probe(scale_backward(h * 3, jnp.float32(jnp.inf)), "expert_c"), h)
+    return jnp.sum(pr.probe(h + 1, "out").astype(jnp.float32))
+
+  probes = with_probes(loss)(jnp.ones(4, F16), jnp.ones(4, F16), False)[2]
+  assert int(probes["expert_b"].hits) == 0
+  assert diagnostics.backward_overflow_origin(probes) == "expert_c"
 
 
 # --- threading through the differentiation transforms ---------------------------------
@@ -246,8 +284,6 @@ def two_args(a, b):
 
 
 @pytest.mark.parametrize("argnums", [0, 1, -1, (0, 1), (1, 0), (-1,)])
-
-
 def test_gradients_keep_the_structure_of_every_argnums(argnums):
   a, b = jnp.ones(2), jnp.full(2, 3.0)
   (value, aux), grads, probes = with_probes(two_args, argnums, has_aux=True)(a, b)
@@ -272,11 +308,17 @@ def test_equinox_and_nnx_transforms_get_the_stats_with_their_first_argument():
 @pytest.mark.parametrize("kwargs, match", [
     ({"index": 0}, "index=0 needs length"), ({"index": 0, "length": 0}, "length=0 must be"),
     ({"index": 2, "length": 2}, r"index=2 is not in \[0, length=2\)")])
-
-
 def test_probe_arguments_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     with_probes(lambda w: jnp.sum(pr.probe(w, "p", **kwargs)))(jnp.ones(2))
+
+
+def test_arguments_given_by_keyword_only_are_refused_naming_argnums():
+  # It failed with ZeroDivisionError.
+  loss = lambda w, x: jnp.sum(pr.probe(w * x, "p"))
+  with pytest.raises(TypeError, match=r"argnums=0 needs the arguments passed positionally, "
+                                      r"got keyword arguments only \(w, x\)"):
+    with_probes(loss)(w=jnp.ones(2), x=jnp.ones(2))
 
 
 def test_one_name_used_with_two_lengths_is_refused():
