@@ -9,7 +9,8 @@ with `value_and_grad_with_probes`:
 Outside a measuring context the wrapped loss is the loss: no interception, no probes.
 Stacked layers run by a scan (an `nnx.scan` or `lax.scan` over a module whose arrays
 all carry a leading layer axis) get one row per layer: the NNX and equinox adapters
-give such a module an index `arange(layers)`, which the scan slices with the weights.
+give such a module an index `arange(layers)`, which the scan slices with the weights. In a
+stack of stacks (scanned twice) the layers are summed instead (`_probes.stacked_rows`).
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   is made inside `fun`, so the gradients have `model`'s structure, ready for
   `eqx.filter(model, eqx.is_array)`. A module whose arrays share a leading axis
   (stacked by `eqx.filter_vmap`) carries an index `arange(n)`: split and scanned with
-  `eqx.partition`, each layer gets its row.
+  `eqx.partition(..., eqx.is_array)`, each layer gets its row (with `is_inexact_array`
+  the integer index stays unsliced, and the layers are summed into one row).
 
   Args:
     fun: a loss taking the model first.

@@ -113,7 +113,9 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
 
   Outside it, returns `x` itself and adds nothing to the program. A name reached
   several times (a layer applied twice, a `vmap` or `scan` inside the loss) sums its
-  hits; a tensor a probe already returned is not measured again under another name.
+  hits; a tensor a probe already returned is not measured again under another name. A
+  probe inside a function with its own `custom_vjp` is not measured (0 hits): the
+  backward pass there is that function's own.
   For one row per layer of a `lax.scan`, pass the layer's index and count::
 
       def body(h, layer):
