@@ -109,6 +109,7 @@ class _Sizes:
   """A probing session that records each probe's elements per step."""
   seen: dict
   returned: dict = dataclasses.field(default_factory=dict)
+  rows: bool = True  # stacked modules get their row index, as in a measuring session
 
   def probe(self, x, name, index, length):
     del index
