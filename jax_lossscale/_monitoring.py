@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from jax_lossscale import _trees
@@ -167,14 +168,18 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   max_consecutive_skips = _validation.integer(
       "max_consecutive_skips", max_consecutive_skips, 1)
   state = find_state(opt_state)
-  consecutive = int(state.consecutive_skips)
+  skips = np.asarray(state.consecutive_skips)
+  # A pmap'd or vmapped state holds one copy per device or run: the most stuck one's.
+  at = np.unravel_index(np.argmax(skips), skips.shape)
+  read = lambda x: np.asarray(x)[at]  # noqa: E731
+  consecutive = int(read(skips))
   if consecutive < max_consecutive_skips:
     return
-  scale = float(state.loss_scale())
+  scale = float(read(state.loss_scale()))
   floor = getattr(state.loss_scale, "min_loss_scale", None)
   at_floor = floor is not None and scale <= floor
-  losses = int(state.consecutive_nonfinite_loss)
-  updates = int(state.consecutive_nonfinite_updates)
+  losses = int(read(state.consecutive_nonfinite_loss))
+  updates = int(read(state.consecutive_nonfinite_updates))
   causes = [(losses, _LOSS), (updates, _UPDATES),
             (consecutive - losses - updates, _DIVERGES if at_floor else _OVERFLOWS)]
   causes = [(n, text) for n, text in causes if n]

@@ -259,8 +259,8 @@ class _Step:
                        "another optimizer's init, pass this transformation's (tx.init).")
         raise
       out = _trees.apply_updates(params, updates) if apply else updates
-      return out, inner_state, _narrow_finite(updates, self.axis_name,
-                                              (params, out) if apply else None)
+      return out, inner_state, _narrow_finite(updates, self.axis_name, params,
+                                              out if apply else None)
 
     static = (_trees.partition(params if apply else grads)[1],
               _trees.partition(state.inner_state)[1], None)
@@ -288,32 +288,31 @@ class _Step:
 
 
 def _traced_once(run, static, inputs):
-  """`run` as a function traced at most once, and the shapes of its output's arrays.
-
-  Inside `jit` (when an input is traced) it is wrapped in a nested `jit`, whose trace is
-  cached: `eval_shape` and each branch of `lax.cond` and of `platform_dependent` reuse
-  it, and XLA inlines the calls. Tracing an optimizer over a thousand leaves costs as
-  much as compiling hundreds of them.
-  """
+  """`run` traced at most once, and the shapes of its output's arrays. Inside `jit` it is
+  a nested `jit`, whose cached trace `eval_shape` and each branch of `lax.cond` and of
+  `platform_dependent` reuse (XLA inlines the calls): tracing an optimizer over a
+  thousand leaves costs as much as compiling hundreds of them."""
   arrays = _trees.arrays_of(run, static)
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
     arrays = jax.jit(arrays)
   return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
 
 
-def _narrow_finite(updates: Any, axis_name, applied: tuple[Any, Any] | None = None
+def _narrow_finite(updates: Any, axis_name, params: Any = None, new_params: Any = None
                    ) -> jax.Array | None:
-  """Whether the updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in
-  float16: finite gradients can give 0/0); `None` if there are none. Given `applied =
-  (params, new_params)`, a narrow parameter's new value is checked instead of its update
-  where it was finite (60000 + 10000 is inf in float16). Wider leaves cost nothing."""
+  """Whether updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in float16),
+  `None` if none. A narrow parameter's new value (`new_params`', else `apply_updates`')
+  is checked instead where it was finite (60000 + 10000 is inf in float16)."""
   narrow = lambda x: _trees.is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4  # noqa: E731
   def leaf(p, u, n):
     if u is None or not _trees.is_float(p):
       return None
-    return jnp.where(jnp.isfinite(p), n, 0) if narrow(p) else (u if narrow(u) else None)
-  checked = ([x for x in _trees.float_leaves(updates) if narrow(x)] if applied is None else
-             jax.tree.leaves(jax.tree.map(leaf, applied[0], updates, applied[1],
+    if not narrow(p):
+      return u if narrow(u) else None
+    return jnp.where(jnp.isfinite(p), _trees.apply_updates(p, u) if n is None else n, 0)
+  new_params = jax.tree.map(lambda _: None, updates) if new_params is None else new_params
+  checked = ([x for x in _trees.float_leaves(updates) if narrow(x)] if params is None else
+             jax.tree.leaves(jax.tree.map(leaf, params, updates, new_params,
                                           is_leaf=lambda x: x is None)))
   return _finite.agree([_finite.finite(checked)], axis_name)[0] if checked else None
 

@@ -12,6 +12,7 @@ trees are split into arrays and static leaves in equinox's `partition`/`combine`
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -119,13 +120,15 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """Chooses `on_true` or `on_false` leaf by leaf on a scalar boolean `pred`.
 
   Uses a select, never a multiplication by a 0/1 mask, so a NaN in the tree that is not
-  chosen never leaks into the result (0 × NaN is NaN).
+  chosen never leaks into the result (0 × NaN is NaN). Python numbers are chosen too
+  (as arrays, with `jnp.where`'s promotion) where the two differ; equal ones, like
+  equinox's static fields, are kept as they are.
 
   Args:
     pred: a boolean scalar (array or Python bool).
     on_true: a pytree.
     on_false: a pytree with the same structure, shapes and dtypes as `on_true`. Leaves
-      that are not arrays (strings, functions) are taken from `on_true`.
+      that are neither arrays nor numbers (strings, functions) are taken from `on_true`.
 
   Returns:
     A pytree with the structure of `on_true`.
@@ -140,6 +143,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   pred = pred.astype(jnp.bool_)
 
   def select(a, b):
+    if isinstance(a, numbers.Number) or isinstance(b, numbers.Number):
+      return a if a is b or (type(a) is type(b) and a == b) else jnp.where(pred, a, b)
     if not is_array(a):
       return a
     if not is_array(b) or a.shape != b.shape or a.dtype != b.dtype:

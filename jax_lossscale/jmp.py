@@ -14,7 +14,8 @@ into these. Two of jmp's bugs are fixed:
   or integer scale is converted to float32 (an integer one with jmp's warning).
 
 `all_finite` and `select_tree` are the library's: `all_finite` also catches the NaN
-that XLA:CPU max-reductions drop, and handles float8 leaves.
+that XLA:CPU max-reductions drop, and handles float8 leaves; like jmp's, it answers per
+device inside `pmap`/`shard_map`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _finite
 from jax_lossscale import _trees
-from jax_lossscale import all_finite as _all_finite
 from jax_lossscale import select_tree as _select_tree
 from jax_lossscale._policy import DTYPE_NAMES as dtype_to_names
 from jax_lossscale._policy import Policy
@@ -235,11 +236,13 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 def all_finite(tree: Any) -> jax.Array:
   """Whether every floating value in `tree` is finite, as a boolean scalar array.
 
-  `jax_lossscale.all_finite`: NaN is caught even where an XLA:CPU max-reduction drops
-  it, float8 types work, and `None` or non-floating leaves are ignored (an empty tree
-  is finite).
+  `jax_lossscale.all_finite`'s check: NaN is caught even where an XLA:CPU max-reduction
+  drops it, float8 types work, and `None` or non-floating leaves are ignored (an empty
+  tree is finite). As jmp's, each device of a `pmap` or `shard_map` answers for its own
+  leaves (pmean the gradients first, as jmp's examples do, or use
+  `jax_lossscale.all_finite`, which agrees over every mapped axis).
   """
-  return _all_finite(tree)
+  return _finite.finite(tree)
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:

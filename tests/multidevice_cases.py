@@ -285,3 +285,29 @@ def test_axis_name_restricts_the_agreement_to_the_named_axis_of_a_2d_mesh():
                                           out_specs=(spec, spec), check_vma=False))(grads, params)
   assert np.asarray(scales).reshape(2, 4).tolist() == [[4.0] * 4, [8.0] * 4]
   assert np.asarray(skipped).reshape(2, 4).tolist() == [[1] * 4, [0] * 4]
+
+
+def test_the_jmp_drop_in_all_finite_answers_per_device_as_jmp_does():
+  # It agreed over every mapped axis, coupling independent runs jmp keeps apart.
+  import jmp as deepmind_jmp
+
+  import jax_lossscale.jmp as ours
+
+  grads = jnp.ones((8, 3)).at[2, 0].set(jnp.inf)
+  for module in (deepmind_jmp, ours):
+    scales = jax.pmap(lambda g, m=module: m.DynamicLossScale(jnp.float32(2.0**15)).adjust(
+        m.all_finite(g)).loss_scale)(grads)
+    assert scales.tolist() == [2.0**15] * 2 + [2.0**14] + [2.0**15] * 5, module.__name__
+  assert jax.pmap(jls.all_finite, axis_name="i")(grads).tolist() == [False] * 8
+
+
+def test_raise_if_stuck_reads_a_pmapped_state():
+  # It failed with "Only scalar arrays can be converted to Python scalars".
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.ones((8, 4))}
+  state = jax.pmap(tx.init)(params)
+  step = jax.pmap(tx.apply_gradients, axis_name="batch")
+  for _ in range(3):
+    params, state = step({"w": jnp.full((8, 4), jnp.inf)}, state, params)
+  with pytest.raises(jls.LossScaleStuckError, match="the last 3 steps were all skipped"):
+    jls.raise_if_stuck(state, max_consecutive_skips=2)

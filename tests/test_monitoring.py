@@ -94,6 +94,20 @@ def test_if_applied_makes_other_state_follow_the_step_decision():
                               {"mean": jnp.ones(2)})
 
 
+def test_if_applied_chooses_python_numbers_too_and_keeps_equal_static_ones():
+  # A counter of one's own (README) advanced on a skipped step, and a NaN Python float
+  # came through: Python numbers were passed through from `new` as static leaves.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+  skipped, applied = steps(tx, [(BAD, None)]), steps(tx, [(GOOD, None)])
+  new, old = {"step": 1, "lr": float("nan"), "name": "adam"}, {"step": 0, "lr": 0.5,
+                                                                 "name": "adam"}
+  for state, expected in ((skipped, old), (applied, new)):
+    chosen = jls.if_applied(state, new, old)
+    assert int(chosen["step"]) == expected["step"] and chosen["name"] == "adam"
+    np.testing.assert_equal(float(chosen["lr"]), expected["lr"])
+  assert jls.if_applied(skipped, {"eps": 1e-8}, {"eps": 1e-8})["eps"] == 1e-8  # as it is
+
+
 def test_metrics_are_scalars_ready_for_logging():
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
   state = steps(tx, [(BAD, None)])

@@ -220,6 +220,20 @@ def test_gradients_that_do_not_match_the_parameters_are_refused_naming_both(grad
       step(grads, tx.init(params), params)
 
 
+@pytest.mark.parametrize("inner, grads, params", [
+    (optax.adam(1e-3, eps=0.0), 0.0, 1.0),  # 0 / 0: NaN from finite gradients
+    (optax.sgd(-1.0), 20000.0, 60000.0)],  # 60000 + 20000 overflows float16
+    ids=["nan_update", "overflowing_parameter"])
+def test_update_checks_narrow_parameters_as_apply_gradients_does(inner, grads, params):
+  # Through `update` (and nnx.Optimizer, which calls it) float32 updates of float16
+  # parameters were not checked: the step applied, and the parameters became NaN or inf.
+  tx = jls.loss_scaling(inner, jls.NoOpLossScale())
+  params = {"w": jnp.full(3, params, jnp.float16)}
+  updates, state = tx.update({"w": jnp.full(3, grads, jnp.float32)}, tx.init(params), params)
+  assert not bool(state.last_applied) and int(state.nonfinite_update_steps) == 1
+  np.testing.assert_array_equal(optax.apply_updates(params, updates)["w"], params["w"])
+
+
 def test_a_python_float_parameter_with_a_gradient_is_refused_as_not_trained():
   # Python floats are static, as in equinox: init makes no optimizer state for them,
   # so a gradient for one would be dropped by apply_gradients (and break Adam's update).
