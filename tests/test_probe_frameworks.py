@@ -122,6 +122,14 @@ def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
 
 
+def hits_like_unprobed(value_and_grad, adapter, loss, model, x) -> list[tuple[str, int]]:
+  """Each layer's hits, after checking that the probed value and gradients are the
+  unprobed ones."""
+  value, grads, probes = pr.value_and_grad_with_probes(value_and_grad, adapter(loss))(model, x)
+  chex.assert_trees_all_equal((value, grads), value_and_grad(loss)(model, x))
+  return [(name, int(s.hits)) for name, s in diagnostics.layers(probes)]
+
+
 # --- flax NNX -----------------------------------------------------------------------
 
 
@@ -251,11 +259,8 @@ def test_nnx_a_stack_of_stacks_is_probed_with_its_layers_summed():
   # which the inner scan then sliced again.
   model = nnx_stack(NnxGroup, 3, nnx.Rngs(0))
   loss = lambda m, x: jnp.sum(nnx_run(m, x))
-  x = jnp.ones((4, 8))
-  value, grads, probes = pr.value_and_grad_with_probes(nnx.value_and_grad,
-                                                       pf.nnx_probes(loss))(model, x)
-  chex.assert_trees_all_equal((value, grads), nnx.value_and_grad(loss)(model, x))
-  assert [(n, int(s.hits)) for n, s in diagnostics.layers(probes)] == [
+  assert hits_like_unprobed(nnx.value_and_grad, pf.nnx_probes, loss, model,
+                            jnp.ones((4, 8))) == [
       ("layers/linear", 6), ("layers", 6), ("NnxGroup", 3)]
 
 
@@ -384,11 +389,8 @@ def test_equinox_a_stack_of_stacks_is_probed_with_its_layers_summed():
   # It failed with IndexError, as for NNX.
   model = eqx.filter_vmap(EqxGroup)(jax.random.split(jax.random.key(0), 3))
   loss = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
-  x = jnp.ones(8, F16)
-  value, grads, probes = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
-                                                       pf.equinox_probes(loss))(model, x)
-  chex.assert_trees_all_equal((value, grads), eqx.filter_value_and_grad(loss)(model, x))
-  assert [(n, int(s.hits)) for n, s in diagnostics.layers(probes)] == [
+  assert hits_like_unprobed(eqx.filter_value_and_grad, pf.equinox_probes, loss, model,
+                            jnp.ones(8, F16)) == [
       ("blocks/linear", 6), ("blocks", 6), ("EqxGroup", 3)]
 
 
