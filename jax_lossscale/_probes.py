@@ -88,7 +88,7 @@ class _Discovery:
     if self.lengths.setdefault(name, length) != length:
       raise ValueError(f"probe {name!r} is used with length={length} and with "
                        f"length={self.lengths[name]}; one name, one length.")
-    self.hits.append((name, index if isinstance(index, int) else None))
+    self.hits.append((name, int(index) if isinstance(index, (int, np.integer)) else None))
     return lax.optimization_barrier((x, np.int32(_MARK + len(self.hits) - 1)))[0]
 
 
@@ -135,7 +135,7 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
     raise ValueError(f"probe {name!r}: index={index!r} needs length=, the number of rows.")
   if length is not None and (not isinstance(length, int) or length <= 0):
     raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
-  if isinstance(index, int) and not 0 <= index < length:
+  if isinstance(index, (int, np.integer)) and not 0 <= index < length:
     raise ValueError(f"probe {name!r}: index={index} is not in [0, length={length}).")
   session = _SESSION.value
   if session is None or id(x) in session.returned or not jnp.issubdtype(

@@ -248,12 +248,13 @@ def test_two_scans_of_one_length_are_read_in_forward_order(inner):
   assert diagnostics.backward_overflow_origin(probes) == "dec[0]"
 
 
-def test_rows_given_as_python_ints_are_in_the_order_they_were_hit():
+@pytest.mark.parametrize("integer", [int, np.int64], ids=["int", "numpy_int"])
+def test_rows_given_as_python_ints_are_in_the_order_they_were_hit(integer):
   def loss(ws, x):
     h = x
-    for i in range(2):  # two unrolled stacks, the second's layer 0 overflowing
+    for i in map(integer, range(2)):  # two unrolled stacks, the second's layer 0 overflowing
       h = pr.probe(jnp.tanh(h @ ws[i].astype(F16)), "enc", index=i, length=2)
-    for i in range(2):
+    for i in map(integer, range(2)):
       h = scale_backward(h @ ws[2 + i].astype(F16), jnp.float32(jnp.inf if i == 0 else 1))
       h = pr.probe(pr.probe(h, "attn", index=i, length=2) * 2, "mlp", index=i, length=2)
     return jnp.sum(h.astype(jnp.float32))
