@@ -17,6 +17,8 @@ import optax
 
 from jax_lossscale import _finite
 from jax_lossscale import _numerics
+from jax_lossscale import _probe_stats
+from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
@@ -68,10 +70,11 @@ def _measured(largest: list, probes: Any) -> jax.Array:
   """The largest gradient magnitude seen: of the parameter gradients, and of every probed
   activation gradient (its binade's top where a probe was hit several times)."""
   values = [m.astype(jnp.float32) for _, m in largest]
-  for name in probes or ():
-    summary = probes[name]
-    top = jnp.where(summary.hits == 1, summary.backward.max_abs, 2 * summary.backward.max_abs)
-    values.append(jnp.max(top))
+  if probes is not None and not isinstance(probes, _probes.Probes):
+    raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
+                    f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
+  if probes:
+    values.append(_probe_stats.largest_gradient(probes.encoded))
   return jnp.max(jnp.stack(values)) if values else jnp.zeros([], jnp.float32)
 
 

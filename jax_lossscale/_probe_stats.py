@@ -1,13 +1,14 @@
 """What a probe measures of one tensor and its gradient, and how the sums over its hits
 read back.
 
-One hit is encoded in two float32 arrays that add up over hits (as cotangents do): the
-largest magnitudes and the zero and subnormal fractions, and a one-hot of each largest
-magnitude's float32 exponent, which counts the hits and keeps the top binade.
+One hit is encoded in one float32 array that adds up over hits (as cotangents do): per
+tensor, the largest magnitude, the zero and subnormal fractions, and a one-hot of the
+largest magnitude's float32 exponent, which counts the hits and keeps the top binade.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,8 @@ from jax import lax
 FLOAT16_MAX = 65504.0
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 NUM_BINADES = 256  # float32's biased exponents; 255 holds inf (and NaN, taken as inf)
+VALUES = 3  # an encoded row's leading columns: the largest magnitude, zero and subnormal
+WIDTH = VALUES + NUM_BINADES  # fractions; then the one-hot of the largest's binade
 
 
 class TensorSummary(NamedTuple):
@@ -54,10 +57,10 @@ class ProbeSummary(NamedTuple):
   headroom: jax.Array
 
 
-def summary(values: jax.Array, binades: jax.Array) -> ProbeSummary:
+def summary(encoded: jax.Array) -> ProbeSummary:
   """A probe's `ProbeSummary` from its encoded sums over hits (`Probes.encoded`)."""
-  hits = binades[..., 0, :].sum(-1)
-  forward, backward = (_summarize(hits, values[..., 3 * i:3 * i + 3], binades[..., i, :])
+  hits = encoded[..., 0, VALUES:].sum(-1)
+  forward, backward = (_summarize(hits, encoded[..., i, :VALUES], encoded[..., i, VALUES:])
                        for i in (0, 1))
   mantissa, exponent = jnp.frexp(backward.max_abs)  # max_abs = mantissa * 2**exponent
   doublings = 16 - exponent - (mantissa > FLOAT16_MAX / 2**16)
@@ -65,20 +68,37 @@ def summary(values: jax.Array, binades: jax.Array) -> ProbeSummary:
       backward.max_abs == 0, jnp.inf, jnp.where(backward.finite, doublings, -jnp.inf)))
 
 
+def largest_gradient(encoded: Sequence[jax.Array]) -> jax.Array:
+  """The largest activation gradient in probes' sums over hits (`Probes.encoded`), 0 if
+  none: exact for a probe (or row) hit once, else the top of its binade (a bound).
+
+  One computation over every probe, so that a step deciding from them compiles a few
+  small kernels, not a few per probe.
+  """
+  rows = jnp.concatenate([e[..., 1, :].reshape(-1, WIDTH) for e in encoded])
+  hits = rows[:, VALUES:].sum(-1)
+  return jnp.max(jnp.where(hits == 1, rows[:, 0], 2 * _binade_bottom(hits, rows[:, VALUES:])))
+
+
 def _summarize(hits, values, binades) -> TensorSummary:
-  top = NUM_BINADES - 1 - jnp.argmax(binades[..., ::-1] > 0, axis=-1)
-  # Binade 0 holds zero and float32 subnormals, below anything float16 holds.
-  bottom = jnp.where(top == NUM_BINADES - 1, jnp.inf, jnp.ldexp(1.0, top - 127))
-  bottom = jnp.where((hits > 0) & (top > 0), bottom, 0.0)
   mean = lambda total: jnp.where(hits > 0, total / jnp.maximum(hits, 1), 0.0)
-  return TensorSummary(jnp.where(hits == 1, values[..., 0], bottom),
+  return TensorSummary(jnp.where(hits == 1, values[..., 0], _binade_bottom(hits, binades)),
                        binades[..., NUM_BINADES - 1] == 0, mean(values[..., 1]),
                        mean(values[..., 2]))
 
 
+def _binade_bottom(hits, binades):
+  """The power of two at the bottom of the top binade hit: inf for inf, 0 for none."""
+  top = NUM_BINADES - 1 - jnp.argmax(binades[..., ::-1] > 0, axis=-1)
+  # Binade 0 holds zero and float32 subnormals, below anything float16 holds.
+  bottom = jnp.where(top == NUM_BINADES - 1, jnp.inf, jnp.ldexp(1.0, top - 127))
+  return jnp.where((hits > 0) & (top > 0), bottom, 0.0)
+
+
 @jax.jit  # traced once per shape, not once per probe
-def measurements(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction.
+def measurements(x: jax.Array, g: jax.Array) -> jax.Array:
+  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction, then
+  one small kernel that encodes them (a kernel each would add to compile time).
 
   Read as bit patterns: the magnitude's bits are an integer that orders like the
   magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
@@ -90,11 +110,17 @@ def measurements(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
                                for i, (p, q) in enumerate(zip(a, b, strict=True)))
   reduced = lax.reduce(operands(x) + operands(g), init(x) + init(g), combine,
                        tuple(range(x.ndim)))
-  maxima = [as_magnitude(reduced[i], x.dtype).astype(jnp.float32) for i in (0, 3)]
-  fractions = [count.astype(jnp.float32) / x.size for count in reduced[1:3] + reduced[4:]]
-  values = jnp.stack(maxima[:1] + fractions[:2] + maxima[1:] + fractions[2:])
-  binade = lax.bitcast_convert_type(jnp.stack(maxima), jnp.int32) >> 23  # sign bit clear
-  return values, jnp.where(jnp.arange(NUM_BINADES) == binade[:, None], 1.0, 0.0)
+  column = lax.broadcasted_iota(jnp.int32, (WIDTH,), 0)
+
+  def row(largest, zeros, subnormals):
+    largest = as_magnitude(largest, x.dtype).astype(jnp.float32)
+    binade = lax.bitcast_convert_type(largest, jnp.int32) >> 23  # sign bit clear
+    fraction = lambda count: count.astype(jnp.float32) / x.size
+    return jnp.select([column == 0, column == 1, column == 2],
+                      [largest, fraction(zeros), fraction(subnormals)],
+                      (column - VALUES == binade).astype(jnp.float32))
+
+  return jnp.stack([row(*reduced[:3]), row(*reduced[3:])])
 
 
 def _bits(dtype) -> jnp.dtype:

@@ -46,18 +46,18 @@ class Probes(Mapping):
     lengths: each probe's number of rows (`length` given to `probe`), or None.
     order: `(name, row)` for every row of every probe (row None for a probe without
       rows), in forward order: the rows of the probes of one loop body interleave.
-    encoded: per probe, float32 `[..., 6]`: the largest magnitude, zero and subnormal
-      fractions of the activation, then of the gradient; and float32 `[..., 2, 256]`:
-      for each, a one-hot of the largest magnitude's float32 exponent. Summed over
-      hits, the one-hots count the hits and keep the largest maximum's binade on top.
+    encoded: per probe, float32 `[..., 2, 259]`: for the activation, then its gradient,
+      the largest magnitude, the zero and subnormal fractions, and a one-hot of the
+      largest magnitude's float32 exponent. Summed over hits, the one-hots count the
+      hits and keep the largest maximum's binade on top.
   """
   names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   lengths: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
   order: tuple[tuple[str, int | None], ...] = dataclasses.field(metadata={"static": True})
-  encoded: tuple[tuple[jax.Array, jax.Array], ...]
+  encoded: tuple[jax.Array, ...]
 
   def __getitem__(self, name: str) -> _probe_stats.ProbeSummary:
-    return _probe_stats.summary(*self.encoded[self.names.index(name)])
+    return _probe_stats.summary(self.encoded[self.names.index(name)])
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.names)
@@ -95,7 +95,7 @@ class _Discovery:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Measurement:
   """Second pass: each probe measures into its stats input."""
-  stats: Mapping[str, tuple[jax.Array, jax.Array]]
+  stats: Mapping[str, jax.Array]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
 
@@ -223,7 +223,7 @@ def value_and_grad_with_probes(
     value, grads = value_and_grad(measured, has_aux=has_aux, **extra)(*packed, **kwargs)
     (first_grads, cotangents), *rest = (grads,) if isinstance(argnums, int) else grads
     grads = first_grads if isinstance(argnums, int) else (first_grads, *rest)
-    lengths = tuple(v.shape[0] if v.ndim == 2 else None for v, _ in stats.values())
+    lengths = tuple(v.shape[0] if v.ndim == 3 else None for v in stats.values())
     return value, grads, Probes(tuple(stats), lengths, order,
                                 tuple(map(cotangents.get, stats)))
 
@@ -263,7 +263,7 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape), manual, to="varying")
   rows = lambda n: () if n is None else (n,)
-  return {name: (zeros(*rows(n), 6), zeros(*rows(n), 2, _probe_stats.NUM_BINADES))
+  return {name: zeros(*rows(n), 2, _probe_stats.WIDTH)
           for name, n in session.lengths.items()}, _forward_order(
               session, _loops(program.jaxpr))
 

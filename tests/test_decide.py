@@ -36,3 +36,9 @@ def test_the_clip_factor_joins_the_unscaling():
   decision = _decide.decide(grads, jls.FixedLossScale(2.0), None, None, 1.0)
   np.testing.assert_allclose(decision.unscaling(grads["g"]), [0.6, 0.8], rtol=1e-6)
   assert bool(decision.grads_finite)
+
+
+def test_probes_that_are_not_the_measured_probes_are_refused_by_name():
+  with pytest.raises(TypeError, match=r"`probes` must be .*probes=True.*got dict"):
+    _decide.decide({"g": jnp.ones(2)}, jls.MeasuredLossScale(), None, None, None,
+                   probes={"layer": 1.0})

@@ -59,8 +59,8 @@ def twice(w, x):
 def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution():
   _, _, probes = with_probes(twice)(jnp.float32(1.0), jnp.array([0.5, 0.0]))
   summary = diagnostics.summarize(probes)["shared"]
-  values, binades = probes.encoded[0]
-  assert float(values[1]) == 1.0 and float(binades.sum()) == 4  # sums: 1/2 + 1/2, 2 x 2
+  encoded = probes.encoded[0]  # per tensor: max, zero and subnormal fractions, one-hot
+  assert float(encoded[0, 1]) == 1.0 and float(encoded[:, 3:].sum()) == 4  # 1/2 + 1/2, 2 x 2
   assert summary.hits == 2 and summary.forward.zero_fraction == 0.5  # x[1] = 0 each time
   # Outer hit: 300 (binade 2**8). Inner: 300 * tanh'(tanh(0) = 0) = 300 too.
   assert summary.backward.max_abs == 256.0 and summary.headroom == 7
@@ -79,3 +79,21 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
     np.testing.assert_array_equal(np.float32(_probe_stats.as_magnitude(bits, t.dtype)), magnitude)
     np.testing.assert_array_equal(zeros, magnitude == 0)
     np.testing.assert_array_equal(subnormal, (magnitude > 0) & (magnitude < 2.0**-14))
+
+
+def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
+  # Rows of a scan (hit once each, exact), a probe hit twice (its binade's top) and one
+  # under vmap (three hits): one computation over all gives what the summaries give.
+  def loss(w, x):
+    def body(h, i):
+      return pr.probe(jnp.tanh(h * w[i]), "row", index=i, length=3), None
+    h = jax.lax.scan(body, x, jnp.arange(3))[0]
+    h = jax.vmap(lambda r: pr.probe(r * 3.0, "mapped"))(h)
+    return jnp.sum(twice(w[0], h[0]) + h * jnp.array([[5.0, 0.0]]))
+  _, _, probes = with_probes(loss)(jnp.array([0.5, 1.5, 2.0]), jnp.ones((3, 2)))
+  summaries = diagnostics.summarize(probes)
+  bounds = [jnp.where(s.hits == 1, s.backward.max_abs, 2 * s.backward.max_abs).max()
+            for s in summaries.values()]
+  assert [int(s.hits.max()) for s in summaries.values()] == [1, 3, 2]
+  assert float(_probe_stats.largest_gradient(probes.encoded)) == float(max(bounds)) > 0
+  assert float(_probe_stats.largest_gradient(probes.encoded[:1])) == float(bounds[0])
