@@ -273,7 +273,8 @@ def _loops(jaxpr, loop: int | None = None, found: dict | None = None) -> dict[in
   found = {} if found is None else found
   for eqn in jaxpr.eqns:
     tag = eqn.invars[-1] if eqn.primitive.name == "optimization_barrier" else None
-    if isinstance(tag, Literal) and int(tag.val) >= _MARK:
+    # A marker is an int32 literal (a `jax.grad` inside the loss adds float0 ones).
+    if isinstance(tag, Literal) and tag.aval.dtype == np.int32 and int(tag.val) >= _MARK:
       found[int(tag.val) - _MARK] = loop
     inner = id(eqn) if eqn.primitive.name in ("scan", "while") else loop
     for sub in jax.tree.leaves(eqn.params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):

@@ -390,3 +390,18 @@ def test_a_tensor_already_probed_is_not_measured_again():
 
   _, _, probes = pr.value_and_grad_with_probes(jax.value_and_grad, loss)(jnp.ones(3))
   assert list(probes) == ["inner"]
+
+
+def test_a_loss_with_a_gradient_inside_it_is_measured_with_its_gradients_unchanged():
+  # A gradient penalty (WGAN-GP, PINNs): jax.grad inside the loss differentiates the
+  # probes' own backward pass, and the first pass meets their differentiated markers.
+  def critic(w, x):
+    return jnp.sum(pr.probe(jnp.tanh(x @ w), "hidden"))
+
+  def loss(w, x):
+    return critic(w, x) + jnp.mean(jax.grad(critic, argnums=1)(w, x) ** 2)
+
+  w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.float32)
+  value, grads, probes = with_probes(loss)(w, X[:, :4])
+  chex.assert_trees_all_equal((value, grads), jax.value_and_grad(loss)(w, X[:, :4]))
+  assert int(probes["hidden"].hits) == 1
