@@ -6,6 +6,9 @@ next scale is the largest power of two at which the largest gradient of the last
 `margin` doublings below the largest float16. An overflow is the safety net: it tells
 that the unscaled maximum was at least `65504 / scale`, which enters the history like a
 measurement: the maximum exceeded `65504 / scale`, so at half the scale it might fit.
+A gradient no probe sees can overflow where the measurements say the scale fits: the
+scale that overflowed becomes a ceiling, held for `history` steps, then tried again;
+each time it overflows again, the next ceiling is held twice as long.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import loss_scale_dataclass
+from jax_lossscale._loss_scale import set_fields
 from jax_lossscale._loss_scale import state_field
 from jax_lossscale._loss_scale import with_state
+
+_MAX_STRIKES = 14  # history (<= 2**16) << 14 fits an int32
+_MAX_PATIENCE = 1 << 30
 
 
 @loss_scale_dataclass
@@ -41,7 +48,14 @@ class MeasuredLossScale(LossScale):
   and is recorded at the binade's top, 2**e, so the scale may sit one doubling lower
   than the exact maximum would allow. So the scale sits just below overflow
   without the grow-overflow-skip cycle of `DynamicLossScale`; a step is skipped only
-  when a gradient grows more than `2**margin` times beyond the recent maximum.
+  when a gradient grows more than `2**margin` times beyond the recent maximum, or when
+  a gradient nothing measures (inside a layer, between probes) overflows. Then the
+  scale that overflowed is a ceiling: for `history` steps the scale stays below it,
+  for `history` more at most at it; an overflow there (a strike) keeps the next
+  ceiling twice as long (4, 8, ... times `history` after more strikes), so such a
+  gradient costs skipped steps that grow with the logarithm of the run's length, where
+  `DynamicLossScale` skips one step every growth period. Under `optax.MultiSteps`,
+  each micro-batch is a step of the history.
 
   Args:
     initial_loss_scale: the first scale (before anything is measured).
@@ -52,7 +66,10 @@ class MeasuredLossScale(LossScale):
     min_loss_scale: the floor, a positive float32 normal.
     max_loss_scale: the cap (default 2**24: beyond it float16 gradients of 2**-24, the
       smallest subnormal, would already be 1).
-    current_loss_scale, maxima: the state (float32 scalar, float32 `[history]`).
+    current_loss_scale, maxima, ceiling, patience, strikes: the state: the scale and
+      the recent maxima (float32 scalar, `[history]`); the last scale that overflowed
+      (float32, 0 before any), the steps its ceiling still holds (int32; counting down
+      below 0 once lifted, to `-history`) and the strikes (int32).
 
   Raises:
     ValueError: naming the argument, for a value outside these ranges.
@@ -67,6 +84,9 @@ class MeasuredLossScale(LossScale):
   _measures = True
   current_loss_scale: jax.Array = state_field()
   maxima: jax.Array = state_field()
+  ceiling: jax.Array = state_field()
+  patience: jax.Array = state_field()
+  strikes: jax.Array = state_field()
 
   def __post_init__(self):
     v = _validation
@@ -84,14 +104,14 @@ class MeasuredLossScale(LossScale):
       raise ValueError(
           f"`initial_loss_scale` must be within [min_loss_scale, max_loss_scale] = "
           f"[{self.min_loss_scale}, {self.max_loss_scale}], got {self.initial_loss_scale}.")
-    state = {"current_loss_scale": (self.initial_loss_scale, (), self.min_loss_scale,
-                                    self.max_loss_scale),
-             "maxima": (0.0, (self.history,), 0.0, _numerics.FLOAT32_MAX)}
-    for name, (initial, shape, low, high) in state.items():
-      value = getattr(self, name)
-      value = np.full(shape, initial, np.float32) if value is None else v.state_values(
-          name, value, np.float32, low, high)
-      object.__setattr__(self, name, value)
+    f32, i32 = np.float32, np.int32
+    set_fields(self, {}, {
+        "current_loss_scale": (self.initial_loss_scale, f32, self.min_loss_scale,
+                               self.max_loss_scale),
+        "maxima": (np.zeros(self.history), f32, 0.0, _numerics.FLOAT32_MAX),
+        "ceiling": (0.0, f32, 0.0, _numerics.FLOAT32_MAX),
+        "patience": (-self.history, i32, -self.history, _MAX_PATIENCE),
+        "strikes": (0, i32, 0, _MAX_STRIKES)})
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
@@ -107,14 +127,32 @@ class MeasuredLossScale(LossScale):
     # A non-finite measurement (a probed activation gradient that overflowed while the
     # parameter gradients stayed finite) is an overflow too.
     unscaled = jnp.asarray(measured, jnp.float32) / scale
-    unscaled = jnp.where(finite & jnp.isfinite(unscaled), unscaled, 2 * limit / scale)
+    overflow = ~(finite & jnp.isfinite(unscaled))
+    unscaled = jnp.where(overflow, 2 * limit / scale, unscaled)
     maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)
     largest = jnp.max(maxima)
     target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,
                                                 -126, 127))
     target = jnp.where(largest > 0, target, np.float32(self.max_loss_scale))
+    ceiling, patience, strikes = self._ceiling(overflow, scale)
+    target = jnp.minimum(target, jnp.where(patience > 0, ceiling / 2, jnp.where(
+        patience > -self.history, ceiling, jnp.inf)))
     target = jnp.clip(target, np.float32(self.min_loss_scale), np.float32(self.max_loss_scale))
-    return with_state(self, current_loss_scale=target, maxima=maxima)
+    return with_state(self, current_loss_scale=target, maxima=maxima, ceiling=ceiling,
+                      patience=patience, strikes=strikes)
+
+  def _ceiling(self, overflow: jax.Array, scale: jax.Array):
+    """The ceiling, its patience and the strikes after this step. While patience > 0 the
+    scale stays below the ceiling; for `history` steps after, at most at it (on
+    probation: an overflow there is a strike); then it is free."""
+    ceiling = jnp.asarray(self.ceiling, jnp.float32)
+    patience = jnp.asarray(self.patience, jnp.int32)
+    strikes = jnp.asarray(self.strikes, jnp.int32)
+    struck = jnp.where(scale >= ceiling, jnp.minimum(strikes + 1, _MAX_STRIKES), strikes)
+    strikes = jnp.where(overflow, jnp.where(patience > -self.history, struck, 0), strikes)
+    kept = jnp.minimum(np.int32(self.history) << strikes, _MAX_PATIENCE)
+    patience = jnp.where(overflow, kept, jnp.maximum(patience - 1, -self.history))
+    return jnp.where(overflow, scale, ceiling), patience, strikes
 
 
 def _log2_floor_ratio(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -335,9 +335,10 @@ def next_state(state: LossScalingState, decision: _decide.Decision, inner_state:
   """The new `LossScalingState` after one step."""
   loss_bad = ~decision.loss_finite
   updates_bad = decision.should_apply & ~updates_finite
-  # An overflow moves the scale at once; a finite step counts when the optimizer steps.
-  # A non-finite loss, or non-finite updates from finite gradients, are not the scale's.
-  moved = (~decision.grads_finite & decision.loss_finite) | (applied & stepped)
+  # An overflow moves the scale at once, a finite step when the optimizer steps (every micro-
+  # batch, for a measuring scale); a bad loss, or bad updates of finite gradients, do not.
+  moved = (~decision.grads_finite & decision.loss_finite) | (
+      applied & (stepped | state.loss_scale._measures))  # pylint: disable=protected-access
   candidate = state.loss_scale._next(decision.grads_finite, decision.measured)  # pylint: disable=protected-access
   loss_scale = _trees.select_tree(moved, candidate, state.loss_scale)
   skipped = ~applied

@@ -143,3 +143,33 @@ def test_probes_measured_inside_the_backward_pass_set_the_scale():
   assert float(with_probes.loss_scale()) == 2.0**6  # 64 * 1000 <= 65504
   assert float(without.loss_scale()) == 2.0**15  # parameter gradients of 1
   assert float(with_probes.loss_scale()) < float(without.loss_scale())
+
+
+def test_a_gradient_nothing_measures_costs_skipped_steps_that_grow_with_the_log_of_the_run():
+  # The measurements allow 2**15, but something unmeasured overflows from 2**14 up (an
+  # intermediate inside a layer). The scale that overflowed becomes a ceiling, held for
+  # `history` steps, then tried again: each overflow there doubles how long the next is
+  # held. DynamicLossScale would skip once every growth period.
+  def run(overflows_until):
+    loss_scale, skipped = jls.MeasuredLossScale(2.0**15, history=4), []
+    for step in range(200):
+      overflow = float(loss_scale()) >= 2.0**14 and step < overflows_until
+      skipped += [step] if overflow else []
+      seen = 0.0 if overflow else float(loss_scale())  # an unscaled maximum of 1
+      loss_scale = loss_scale._next(jnp.array(not overflow), jnp.float32(seen))
+    return skipped, float(loss_scale())
+
+  assert run(200) == ([0, 1, 6, 15, 32, 65, 130], 2.0**13)
+  assert run(100) == ([0, 1, 6, 15, 32, 65], 2.0**15)  # gone: the measured scale again
+
+
+def test_under_multisteps_every_micro_batch_is_measured():
+  # Two micro-batches per optimizer step, unscaled maxima 4 then 0.25: the scale must
+  # respect the 4 (2**13 * 4 fits below 65504), not only the last micro-batch's 0.25.
+  tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), jls.MeasuredLossScale(2.0**4))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  for maximum in (4.0, 0.25):
+    grads = {"w": jnp.array([maximum, 0.0]) * state.loss_scale()}
+    _, state = jax.jit(tx.update)(grads, state, params)
+  assert float(state.loss_scale()) == 2.0**13 and bool(state.last_applied)
