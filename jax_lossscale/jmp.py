@@ -11,7 +11,9 @@ into these. Two of jmp's bugs are fixed:
   `period` and `factor`, and the registration enumerates every field.
 * The scale is held in float32. jmp keeps the dtype it is given, and a float16 scale
   cannot hold 2**16: it stops growing at 2**15, and its products overflow. A float16
-  or integer scale is converted to float32 (an integer one with jmp's warning).
+  or integer scale is converted to float32 (an integer one with jmp's warning). What
+  `scale` and `unscale` return keeps jmp's dtypes: a float16 leaf times a Python number
+  or a float16 scale stays float16, as a `lax.fori_loop` carrying it needs.
 
 `all_finite` and `select_tree` are the library's: `all_finite` also catches the NaN
 that XLA:CPU max-reductions drop, and handles float8 leaves; like jmp's, it answers per
@@ -106,8 +108,18 @@ def _warn_if_not_floating(value: Any, argument: str) -> None:
                   "it is converted to float32.", stacklevel=4)
 
 
-def _multiply(tree: T, factor: Any) -> T:
-  return jax.tree_util.tree_map(lambda x: x * factor, tree)
+def _product_type(value: Any) -> Any:
+  """What jmp's products with the scale `value` take their dtype from: a Python number
+  or a weakly typed array is weak (`float`: float16 leaves stay float16), else its dtype."""
+  if isinstance(value, (int, float)) or getattr(value, "weak_type", False):
+    return float
+  return np.dtype(getattr(value, "dtype", np.float32))
+
+
+def _multiply(tree: T, factor: Any, product_type: Any) -> T:
+  """Every leaf times `factor` (float32), in the dtype jmp's product would have."""
+  return jax.tree_util.tree_map(
+      lambda x: (x * factor).astype(jnp.result_type(x, product_type)), tree)
 
 
 @_pytree()
@@ -141,20 +153,23 @@ class StaticLossScale:
   """
 
   loss_scale: jax.Array
+  _product_type: Any = dataclasses.field(default=None, repr=False)  # see `_product_type`
 
   def __post_init__(self):
+    if self._product_type is None:
+      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
     scale = _float32(self.loss_scale)
     if not isinstance(scale, jax.core.Tracer):
       scale = np.float32(scale)  # hashable, as static data must be
     object.__setattr__(self, "loss_scale", scale)
 
   def scale(self, tree: T) -> T:
-    """Multiplies every leaf of `tree` by the scale."""
-    return _multiply(tree, self.loss_scale)
+    """Multiplies every leaf of `tree` by the scale (each in jmp's dtype)."""
+    return _multiply(tree, self.loss_scale, self._product_type)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    return _multiply(tree, 1 / self.loss_scale)
+    return _multiply(tree, 1 / self.loss_scale, self._product_type)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
     del grads_finite
@@ -194,8 +209,11 @@ class DynamicLossScale:
   period: int = 2000
   factor: int = 2
   min_loss_scale: jax.Array = dataclasses.field(default_factory=lambda: np.float32(1))
+  _product_type: Any = dataclasses.field(default=None, repr=False)  # see `_product_type`
 
   def __post_init__(self):
+    if self._product_type is None:
+      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
     if isinstance(self.min_loss_scale, jax.core.Tracer):
@@ -206,12 +224,13 @@ class DynamicLossScale:
     object.__setattr__(self, "min_loss_scale", np.float32(_float32(self.min_loss_scale)))
 
   def scale(self, tree: T) -> T:
-    """Multiplies every leaf of `tree` by the scale (float32, so float16 leaves widen)."""
-    return _multiply(tree, self.loss_scale)
+    """Multiplies every leaf of `tree` by the scale (each in jmp's dtype: a float16 leaf
+    stays float16 for a scale given as a Python number or in float16)."""
+    return _multiply(tree, self.loss_scale, self._product_type)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    return _multiply(tree, 1 / self.loss_scale)
+    return _multiply(tree, 1 / self.loss_scale, self._product_type)
 
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
     """Returns the next loss scale, given whether this step's gradients are finite.

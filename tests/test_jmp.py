@@ -11,6 +11,7 @@ import re
 import types
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import jmp as real_jmp
@@ -238,3 +239,25 @@ def test_a_haiku_style_step_skips_an_overflowed_step_bit_identically():
 def test_half_dtype_makes_a_half_precision_scalar_as_jmps():
   # jmp's README: jmp.DynamicLossScale(jmp.half_dtype()(2 ** 15)); it was a NumPy dtype.
   assert float(jmp.DynamicLossScale(jmp.half_dtype()(2**15)).loss_scale) == 2**15
+
+
+@pytest.mark.parametrize("given", [
+    lambda: 2**15, lambda: 2.0**15, lambda: jnp.float16(2**15), lambda: jnp.asarray(2.0**15),
+    lambda: jnp.float32(2**15), lambda: np.float16(2**15)],
+    ids=["python-int", "python-float", "float16", "weak-float32", "float32", "np.float16"])
+@pytest.mark.parametrize("kind", ["StaticLossScale", "DynamicLossScale"])
+def test_scaled_and_unscaled_values_keep_jmps_dtypes(kind, given):
+  # The scale is held in float32, but what scale/unscale return has jmp's dtype: a
+  # float16 leaf times a Python number or a float16 scale stays float16, so a fori_loop
+  # carrying float16 parameters through jmp code keeps its types.
+  tree = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
+    ours, theirs = (getattr(m, kind)(given()) for m in (jmp, real_jmp))
+  for method in ("scale", "unscale"):
+    got, want = (getattr(s, method)(tree) for s in (ours, theirs))
+    assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
+    chex.assert_trees_all_equal(got, want)
+  if want["h"].dtype == jnp.float16:  # jmp's loop works, so must ours
+    step = lambda _, p: ours.unscale(jax.grad(lambda p: ours.scale(jnp.sum(p * p)))(p))
+    assert jax.lax.fori_loop(0, 2, step, tree["h"]).dtype == jnp.float16
