@@ -115,7 +115,7 @@ def measurements(x: jax.Array, g: jax.Array) -> jax.Array:
   def row(largest, zeros, subnormals):
     largest = as_magnitude(largest, x.dtype).astype(jnp.float32)
     binade = lax.bitcast_convert_type(largest, jnp.int32) >> 23  # sign bit clear
-    fraction = lambda count: count.astype(jnp.float32) / x.size
+    fraction = lambda count: count.astype(jnp.float32) / max(x.size, 1)  # 0 of nothing
     return jnp.select([column == 0, column == 1, column == 2],
                       [largest, fraction(zeros), fraction(subnormals)],
                       (column - VALUES == binade).astype(jnp.float32))

@@ -259,7 +259,9 @@ def backward_overflow_origin(probes: Probes) -> str | None:
   backward probe nearest the loss (the last in forward order). It was computed by the
   backward pass of what consumed that activation: the next probe in forward order,
   named here (`LOSS` after the last): the next that was hit (not one in a `lax.cond`
-  branch that was not taken). A scanned probe's row is `"name[row]"`.
+  branch that was not taken). A scanned probe's row is `"name[row]"`. Forward order
+  stands in for the data flow: with branches side by side (separate query, key and
+  value projections) the probe named may be a sibling of the one that overflowed.
   """
   order = layers(probes)
   bad = [i for i, (_, summary) in enumerate(order) if not summary.backward.finite.all()]
@@ -270,7 +272,11 @@ def backward_overflow_origin(probes: Probes) -> str | None:
 
 
 def forward_nonfinite_origin(probes: Probes) -> str | None:
-  """The first probe, in forward order, whose activation was not finite, or None."""
+  """The first probe, in forward order, whose activation was not finite, or None.
+
+  Probes measure on the way back: one that no gradient reached (used only through
+  `stop_gradient`) measured nothing, and cannot be named (`table` marks it).
+  """
   return next((where for where, summary in layers(probes)
                if not summary.forward.finite.all()), None)
 
@@ -294,12 +300,17 @@ def table(probes: Probes) -> str:
   Columns: the largest activation gradient (as the backward pass saw it, at the scale
   it ran with), the headroom (doublings of the scale before float16 overflows), the
   fractions of the gradient that are float16 subnormals and zeros, and the largest
-  activation (forward).
+  activation (forward). A probe that no gradient reached (its output used only through
+  `stop_gradient`, in a branch not taken, inside a `custom_vjp`) measured nothing, even
+  forward: its line says so.
   """
   header = (f"{'layer':<28s} {'max |grad|':>11s} {'headroom':>8s} {'subnormal':>9s} "
             f"{'zero':>6s} {'max |act|':>10s}")
   lines = [header, "-" * len(header)]
   for name, s in layers(probes):
+    if not np.any(s.hits > 0):
+      lines.append(f"{name[:28]:<28s} not measured: no gradient came back through it")
+      continue
     g, f = s.backward, s.forward
     subnormal, zero = (100 * float(np.mean(x)) for x in (g.subnormal_fraction, g.zero_fraction))
     lines.append(f"{name[:28]:<28s} {float(np.max(g.max_abs)):11.3g} "

@@ -243,3 +243,30 @@ def test_probe_read_outs_keep_the_forward_order():
   assert [name for name, _ in jls.diagnostics.layers(probes)] == ["zeta", "alpha"]
   lines = jls.diagnostics.table(probes).splitlines()[2:]
   assert [line.split()[0] for line in lines] == ["zeta", "alpha"]
+
+
+def test_a_probe_no_gradient_reached_is_marked_not_measured_not_finite():
+  # A target network's output, used only through stop_gradient, gets no backward pass:
+  # its probe saw nothing, even forward, so the table must not pass it as finite.
+  def loss_fn(x):
+    target = jls.diagnostics.probe(jnp.log(x - 2.0), "target")  # NaN forward
+    online = jls.diagnostics.probe(x * 3.0, "online")
+    return jnp.sum(online) + jnp.nan_to_num(jnp.sum(jax.lax.stop_gradient(target)))
+
+  state = jls.loss_scaling(optax.sgd(0.1)).init({})
+  _, _, probes = jls.scaled_value_and_grad(loss_fn, probes=True)(state, jnp.ones(3))
+  assert int(probes["target"].hits) == 0 and int(probes["online"].hits) == 1
+  target, online = jls.diagnostics.table(probes).splitlines()[2:]
+  assert target.split()[0] == "target" and "not measured" in target
+  assert "not measured" not in online
+
+
+def test_a_probe_of_an_empty_activation_measures_fractions_of_zero():
+  def loss_fn(x):
+    return jnp.sum(jls.diagnostics.probe(x[:0] * 2.0, "empty")) + jnp.sum(x)
+
+  state = jls.loss_scaling(optax.sgd(0.1)).init({})
+  _, _, probes = jls.scaled_value_and_grad(loss_fn, probes=True)(state, jnp.ones(3))
+  summary = probes["empty"]
+  assert int(summary.hits) == 1
+  assert float(summary.forward.zero_fraction) == float(summary.backward.zero_fraction) == 0.0
