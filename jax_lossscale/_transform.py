@@ -262,7 +262,7 @@ class _Step:
       return out, inner_state, _narrow_finite(updates, self.axis_name, params,
                                               out if apply else None)
 
-    static = (_trees.partition(params if apply else grads)[1],
+    static = (_trees.partition(params if apply else _trees.updates_like(grads, params))[1],
               _trees.partition(state.inner_state)[1], None)
     run, shapes = _traced_once(run, static, (grads, state, params, extra_args))
     skipped = params if apply else _trees.combine(

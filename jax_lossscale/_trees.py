@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale import _numerics
 
@@ -57,6 +58,12 @@ def partition(tree: Any) -> tuple[Any, Any]:
   arrays = jax.tree.map(lambda x: x if is_array(x) else None, tree)
   static = jax.tree.map(lambda x: None if is_array(x) else x, tree)
   return arrays, static
+
+
+def updates_like(grads: Any, params: Any) -> Any:
+  """The tree the inner optimizer's updates are shaped like: the gradients, or, for
+  `optax.lookahead` (whose gradients are those of `params.fast`), the params."""
+  return params if isinstance(params, optax.LookaheadParams) else grads
 
 
 def combine(arrays: Any, static: Any) -> Any:

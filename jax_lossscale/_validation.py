@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._numerics import FLOAT32_MAX
 from jax_lossscale._numerics import FLOAT32_TINY
@@ -243,7 +244,10 @@ def loss(value: Any) -> jax.Array:
 def grads_like_params(grads: Any, params: Any) -> None:
   """`grads` has the structure of `params` and a leaf of its shape for each array
   (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
-  compared); a Python float in `params` (not trained, as in equinox) has no gradient."""
+  compared); a Python float in `params` (not trained, as in equinox) has no gradient.
+  `optax.lookahead`'s gradients are those of its fast params."""
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
   is_none = lambda x: x is None  # noqa: E731
   ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
   theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]

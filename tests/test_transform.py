@@ -713,6 +713,29 @@ def test_multisteps_inside_drops_only_the_overflowed_micro_batch():
   assert float(state.loss_scale()) == 2.0
 
 
+
+@FUSED
+def test_lookahead_inside_steps_as_plain_lookahead_and_a_skip_leaves_both_weights(fused, branch):
+  # optax.lookahead takes the gradients of params.fast; its params and its updates are
+  # LookaheadParams, the fast and the slow weights.
+  inner = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**4))
+  params = plain = optax.LookaheadParams.init_synced(PARAMS)
+  state, plain_state, step = tx.init(params), inner.init(params), applied_step(tx, fused)
+  for i, batch in enumerate(batches(5)):
+    grads = jax.grad(loss_fn)(params.fast, *(poison(batch) if i == 2 else batch))
+    scale = state.loss_scale()
+    new_params, new_state = step(jax.tree.map(lambda g, s=scale: g * s, grads), state, params)
+    if i == 2:
+      chex.assert_trees_all_equal((new_params, new_state.inner_state), (params, state.inner_state))
+    else:
+      updates, plain_state = inner.update(grads, plain_state, plain)
+      plain = optax.apply_updates(plain, updates)
+    params, state = new_params, new_state
+  assert_trees_close(params, plain)
+  assert_trees_close(state.inner_state, plain_state)
+  assert int(state.skipped_steps) == 1
+
 def scale_per_call(tx, n, overflow_at=()):
   params, update = {"w": jnp.ones(2)}, jax.jit(tx.update)
   state, scales = tx.init(params), []
