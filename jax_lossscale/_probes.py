@@ -268,15 +268,17 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
               session, _loops(program.jaxpr))
 
 
-def _loops(jaxpr, loop: int | None = None, found: dict | None = None) -> dict[int, int | None]:
-  """Hit -> the innermost `scan` or `while` around it (an id), from the hits' markers."""
+def _loops(jaxpr, loop: tuple | None = None, found: dict | None = None) -> dict[int, Any]:
+  """Hit -> the innermost `scan` or `while` around it, `(id, reverse)`, from the hits'
+  markers (a `scan(..., reverse=True)` runs its rows last to first)."""
   found = {} if found is None else found
   for eqn in jaxpr.eqns:
     tag = eqn.invars[-1] if eqn.primitive.name == "optimization_barrier" else None
     # A marker is an int32 literal (a `jax.grad` inside the loss adds float0 ones).
     if isinstance(tag, Literal) and tag.aval.dtype == np.int32 and int(tag.val) >= _MARK:
       found[int(tag.val) - _MARK] = loop
-    inner = id(eqn) if eqn.primitive.name in ("scan", "while") else loop
+    looping = eqn.primitive.name in ("scan", "while")
+    inner = (id(eqn), bool(eqn.params.get("reverse", False))) if looping else loop
     for sub in jax.tree.leaves(eqn.params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
       if isinstance(sub, (ClosedJaxpr, Jaxpr)):
         _loops(getattr(sub, "jaxpr", sub), inner, found)
@@ -285,7 +287,8 @@ def _loops(jaxpr, loop: int | None = None, found: dict | None = None) -> dict[in
 
 def _forward_order(session: _Discovery, loops: dict[int, int | None]) -> tuple:
   """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
-  a loop's index, of every probe of that loop body (by length) interleaved."""
+  a loop's index, of every probe of that loop body (by length) interleaved, last to
+  first for a reversed scan."""
   lengths, bodies, order = session.lengths, {}, {}
   for k, (name, index) in enumerate(session.hits):
     if lengths[name] is not None and index is None and loops.get(k) is not None:
@@ -297,7 +300,8 @@ def _forward_order(session: _Discovery, loops: dict[int, int | None]) -> tuple:
       order.setdefault((name, index), None)
     else:
       names = bodies.get((loops.get(k), length), [name])
-      order.update(dict.fromkeys((n, r) for r in range(length) for n in names))
+      rows = range(length)[::-1] if loops.get(k) and loops[k][1] else range(length)
+      order.update(dict.fromkeys((n, r) for r in rows for n in names))
   for name, length in lengths.items():  # rows never hit
     order.update(dict.fromkeys((name, r) for r in range(length or 0)))
   return tuple(order)

@@ -207,6 +207,21 @@ def test_an_overflow_in_the_third_scanned_layer_is_named_by_its_row():
   assert diagnostics.backward_overflow_origin(probes) == "block[2]"
 
 
+
+def test_a_reversed_scan_lists_its_rows_in_the_order_they_ran_and_names_the_culprit():
+  # scan(reverse=True) runs layer 3 first: forward order is block[3], ..., block[0], and
+  # an overflow in layer 1's backward pass is named block[1], not the row after it.
+  def loss(ws, x):
+    def body(h, layer):
+      i, w = layer
+      h = scale_backward(jnp.tanh(h @ w.astype(F16)), jnp.where(i == 1, jnp.inf, 1.0))
+      return pr.probe(h, "block", index=i, length=4), None
+    return jnp.sum(lax.scan(body, x, (jnp.arange(4), ws), reverse=True)[0])
+
+  probes = with_probes(loss)(jnp.stack(PARAMS), X)[2]
+  assert probes.order == (("block", 3), ("block", 2), ("block", 1), ("block", 0))
+  assert diagnostics.backward_overflow_origin(probes) == "block[1]"
+
 INNER = {  # a second probe in the decoder's body, after its own
     "none": None,
     "checkpoint": lambda h, i: jax.checkpoint(
