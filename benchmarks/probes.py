@@ -110,6 +110,7 @@ class _Sizes:
   seen: dict
   returned: dict = dataclasses.field(default_factory=dict)
   rows: bool = True  # stacked modules get their row index, as in a measuring session
+  views: bool = True  # an equinox model is viewed, as in a measuring session
 
   def probe(self, x, name, index, length):
     del index

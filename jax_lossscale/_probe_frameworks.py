@@ -9,8 +9,9 @@ with `value_and_grad_with_probes`:
 Outside a measuring context the wrapped loss is the loss: no interception, no probes.
 Stacked layers run by a scan (an `nnx.scan` or `lax.scan` over a module whose arrays
 all carry a leading layer axis) get one row per layer: the NNX and equinox adapters
-give such a module an index `arange(layers)`, which the scan slices with the weights. In a
-stack of stacks (scanned twice) the layers are summed instead (`_probes.stacked_rows`).
+give such a module an index `arange(layers)`, which the scan slices with the weights
+(equinox: a scan inside a module's call). In a stack of stacks (scanned twice) the layers
+are summed instead (`_probes.stacked_rows`).
 """
 
 from __future__ import annotations
@@ -36,30 +37,30 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
-def _join(path) -> str:
+def join(path) -> str:
   return "/".join(_key_name(key) for key in path)
 
 
-def _probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
+def probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
   """`probe` on each array of a module's output: `name`, or `name/key` for several."""
   leaves = jax.tree_util.tree_leaves_with_path(out)
   if index is not None and jnp.ndim(index) != 0:  # not sliced by a scan: no rows
     index = length = None
 
   def one(path, leaf):
-    where = name if len(leaves) == 1 else f"{name}/{_join(path)}"
+    where = name if len(leaves) == 1 else f"{name}/{join(path)}"
     return _probes.probe(leaf, where, index=index, length=length)
 
   return jax.tree_util.tree_map_with_path(one, out)
 
 
-def _stacked_length(arrays) -> int | None:
+def stacked_length(arrays) -> int | None:
   """The leading axis all `arrays` share (a stack of layers, maybe), or None."""
   leading = {a.shape[0] if a.ndim else None for a in arrays}
   return leading.pop() if len(leading) == 1 else None
 
 
-def _while_probing(fun: Callable[..., Any], probed: Callable[..., Any]) -> Callable[..., Any]:
+def while_probing(fun: Callable[..., Any], probed: Callable[..., Any]) -> Callable[..., Any]:
   """`probed` while probes are measured, `fun` itself otherwise."""
   @functools.wraps(fun)
   def call(*args, **kwargs):
@@ -91,7 +92,7 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     if context.method_name != "__call__":
       return out
     name = "/".join(context.module.path) or type(context.module).__name__
-    return _probe_output(out, name)
+    return probe_output(out, name)
 
   @functools.wraps(fun)
   def probed(*args, **kwargs):
@@ -125,10 +126,10 @@ def nnx_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     The probed `fun`.
   """
   def probed(model, *args, **kwargs):
-    with _nnx_annotated(model) as classes, _calls_probed(classes):
+    with _nnx_annotated(model) as classes, calls_probed(classes):
       return fun(model, *args, **kwargs)
 
-  return _while_probing(fun, probed)
+  return while_probing(fun, probed)
 
 
 @contextlib.contextmanager
@@ -138,12 +139,12 @@ def _nnx_annotated(model):
   modules = dict(nnx.iter_modules(model))
   params = {path: jax.tree.leaves(nnx.state(module, nnx.Param))
             for path, module in modules.items()}
-  lengths = {path: _stacked_length(p) if p else None for path, p in params.items()}
+  lengths = {path: stacked_length(p) if p else None for path, p in params.items()}
   try:
     for path, module in modules.items():
       length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
                      if lengths.get(path[:i]) is not None), None)
-      setattr(module, _NAME, _join(path) or type(module).__name__)
+      setattr(module, _NAME, join(path) or type(module).__name__)
       if length is not None and _probes.stacked_rows():
         setattr(module, _INDEX, nnx.Variable(jnp.arange(length)))
         setattr(module, _LENGTH, length)
@@ -156,14 +157,14 @@ def _nnx_annotated(model):
 
 
 @contextlib.contextmanager
-def _calls_probed(classes):
-  """Each class's `__call__` probes its output while inside the context."""
+def calls_probed(classes, wrap=None):
+  """Each class's `__call__`, wrapped by `wrap` (NNX's probing call), inside the context."""
   undo = []
   try:
     for cls in classes:
       if not getattr(cls.__call__, "_probes_output", False):
         undo.append((cls, cls.__dict__.get("__call__")))
-        cls.__call__ = _probing_call(cls.__call__)
+        cls.__call__ = (wrap or _probing_call)(cls.__call__)
     yield
   finally:
     for cls, own in undo:
@@ -181,76 +182,12 @@ def _probing_call(call):
     if type(self).__call__ is not __call__ or not hasattr(self, _NAME):
       return out
     index = getattr(self, _INDEX, None)
-    return _probe_output(out, getattr(self, _NAME),
+    return probe_output(out, getattr(self, _NAME),
                          None if index is None else index.get_value(),
                          getattr(self, _LENGTH, None))
 
   __call__._probes_output = True
   return __call__
-
-
-# --- equinox ------------------------------------------------------------------------
-
-
-def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
-  """`fun(model, ...)` called with a probed view of `model`.
-
-  In the view, every submodule is wrapped so that its `__call__` output is probed,
-  named by its path in `model` (`"layers/0"`; `model` by its class name); attributes
-  read through the wrapper reach the module (`isinstance` sees the wrapper). The view
-  is made inside `fun`, so the gradients have `model`'s structure, ready for
-  `eqx.filter(model, eqx.is_array)`. A module whose arrays share a leading axis
-  (stacked by `eqx.filter_vmap`) carries an index `arange(n)`: split and scanned with
-  `eqx.partition(..., eqx.is_array)`, each layer gets its row (with `is_inexact_array`
-  the integer index stays unsliced, and the layers are summed into one row).
-
-  Args:
-    fun: a loss taking the model first.
-
-  Returns:
-    The probed `fun`.
-  """
-  return _while_probing(
-      fun, lambda model, *args, **kwargs: fun(_equinox_view(model, (), None), *args, **kwargs))
-
-
-def _equinox_view(module, path, inherited: int | None):
-  import equinox as eqx
-
-  arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
-  length = _stacked_length(arrays) if arrays else inherited
-  is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
-  children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
-  view = jax.tree.unflatten(treedef, [
-      _equinox_view(child, path + key, length) if is_submodule(child) else child
-      for key, child in children])
-  if length is not None and not _probes.stacked_rows():
-    length = None
-  index = None if length is None else jnp.arange(length)
-  return _equinox_probed()(view, index, _join(path) or type(module).__name__, length)
-
-
-@functools.cache  # one class, made when equinox is first needed
-def _equinox_probed():
-  import equinox as eqx
-
-  class Probed(eqx.Module):
-    """A module whose `__call__` output is probed; other attributes reach it."""
-    module: Any
-    index: jax.Array | None
-    name: str = eqx.field(static=True)
-    length: int | None = eqx.field(static=True)
-
-    def __call__(self, *args, **kwargs):
-      return _probe_output(self.module(*args, **kwargs), self.name, self.index,
-                           self.length)
-
-    def __getattr__(self, attribute):
-      if attribute == "module":  # not set yet: no recursion
-        raise AttributeError(attribute)
-      return getattr(self.module, attribute)
-
-  return Probed
 
 
 def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -267,7 +204,8 @@ def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
     if nnx is not None and isinstance(first, nnx.Module):
       adapted = nnx_probes(adapted)
     elif eqx is not None and isinstance(first, eqx.Module):
-      adapted = equinox_probes(adapted)
+      from jax_lossscale import _probe_equinox  # pylint: disable=import-outside-toplevel
+      adapted = _probe_equinox.equinox_probes(adapted)
     if "flax.linen" in sys.modules:
       adapted = linen_probes(adapted)
     return adapted(*args, **kwargs)

@@ -79,7 +79,8 @@ class _Discovery:
   lengths: dict[str, int | None]
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
-  indexed: list = dataclasses.field(default_factory=list, kw_only=True)
+  views: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_views`
+  used: set = dataclasses.field(default_factory=set, kw_only=True)  # of those options
   # What probes returned (by id, kept alive): a tensor already probed is not probed again,
   # as a module's output that is its last submodule's.
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
@@ -98,6 +99,7 @@ class _Measurement:
   stats: Mapping[str, jax.Array]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
+  views: bool = dataclasses.field(default=True, kw_only=True)
 
   def probe(self, x, name, index, length):
     if name not in self.stats:
@@ -157,11 +159,25 @@ def stacked_rows() -> bool:
   Off when the first pass failed with them: in a stack of stacks, a scan would slice the
   inner modules' index twice. Their probes then sum over the layers.
   """
+  return _option("rows")
+
+
+def equinox_views() -> bool:
+  """Whether the equinox adapter hands the loss a probed view of the model.
+
+  Off when the first pass failed with it: a loss that `eqx.combine`s the model with a
+  static part of its own needs the model's own structure. The adapter then finds the
+  modules the loss calls (a jit inside the loss hides them).
+  """
+  return _option("views")
+
+
+def _option(name: str) -> bool:
   session = _SESSION.value
-  if session is None or not session.rows:
+  if session is None or not getattr(session, name):
     return False
   if isinstance(session, _Discovery):
-    session.indexed.append(True)
+    session.used.add(name)
   return True
 
 
@@ -206,7 +222,7 @@ def value_and_grad_with_probes(
       raise TypeError(f"differentiating with respect to argnums={argnums!r} needs the "
                       "arguments passed positionally, got keyword arguments only "
                       f"({', '.join(kwargs)}).")
-    rows, (stats, order) = _discover_retrying_without_rows(fun, args, kwargs)
+    options, (stats, order) = _discover_with_fallbacks(fun, args, kwargs)
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
       return value, grads, Probes((), (), (), ())
@@ -215,7 +231,7 @@ def value_and_grad_with_probes(
     def measured(*packed, **kw):
       unpacked = list(packed)
       unpacked[first], stats = packed[first]
-      with _SESSION(_Measurement(stats, rows=rows)):
+      with _SESSION(_Measurement(stats, **options)):
         return fun(*unpacked, **kw)
 
     packed = list(args)
@@ -230,18 +246,22 @@ def value_and_grad_with_probes(
   return value_grads_and_probes
 
 
-def _discover_retrying_without_rows(fun, args, kwargs):
-  """`(rows, _discover(...))`, without the adapters' stacked rows if it failed with them."""
-  session = _Discovery({})
-  try:
-    return True, _discover(session, fun, args, kwargs)
-  except Exception as error:  # noqa: BLE001 (raised again unless rows were the cause)
-    if not session.indexed:
-      raise
+def _discover_with_fallbacks(fun, args, kwargs):
+  """`(options, _discover(...))`: with the adapters' stacked rows and equinox views; if
+  the first pass fails with them, without the rows, then without the views (the error
+  of the first try is raised if none works)."""
+  first, used = None, set()
+  for rows, views in ((True, True), (False, True), (True, False), (False, False)):
+    if (not rows and "rows" not in used) or (not views and "views" not in used):
+      continue  # turning off an option that was not used changes nothing
+    session = _Discovery({}, rows=rows, views=views)
     try:
-      return False, _discover(_Discovery({}, rows=False), fun, args, kwargs)
-    except Exception:  # noqa: BLE001
-      raise error from None
+      return {"rows": rows, "views": views}, _discover(session, fun, args, kwargs)
+    except Exception as error:  # noqa: BLE001 (the first one is raised again)
+      first, used = first or error, used | session.used
+      if not session.used:
+        break
+  raise first
 
 
 def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
