@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jax_lossscale import _emit
+from jax_lossscale import _probes as pr
+from jax_lossscale import diagnostics
 
 # Applied steps equal an unscaled run to float rounding: the compiler may contract the
 # unscaling into the optimizer's multiply-adds (benchmarks/RESULTS.md). Measured leaf by
@@ -77,3 +79,21 @@ class Wrapped:
 
 jax.tree_util.register_pytree_node(Wrapped, lambda w: ((w.value,), None),
                                    lambda _, children: Wrapped(children[0]))
+
+@jax.custom_vjp
+def scale_backward(x, factor):
+  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
+  return x
+
+
+scale_backward.defvjp(lambda x, factor: (x, factor),
+                      lambda factor, g: (g * factor.astype(g.dtype), jnp.zeros_like(factor)))
+
+
+def hits_like_unprobed(value_and_grad, adapter, loss, model, x) -> list[tuple[str, int]]:
+  """Each layer's hits, after checking that the probed value and gradients are the
+  unprobed ones."""
+  value, grads, probes = pr.value_and_grad_with_probes(value_and_grad, adapter(loss))(model, x)
+  chex.assert_trees_all_equal((value, grads), value_and_grad(loss)(model, x))
+  return [(name, int(s.hits)) for name, s in diagnostics.layers(probes)]
+

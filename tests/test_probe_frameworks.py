@@ -1,4 +1,4 @@
-"""Probes placed automatically on every module's output: flax linen, flax NNX, equinox.
+"""Probes placed automatically on every module's output: flax linen and flax NNX.
 
 Each stack trains a small float16 model with probes, names the layers by their paths,
 gives stacked (scanned) layers one row each where the framework lets an index ride
@@ -6,16 +6,15 @@ along, and locates an overflow injected into one layer's backward pass.
 """
 
 import chex
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen
 from flax import nnx
-from jax import lax
+from helpers import hits_like_unprobed
+from helpers import scale_backward
 
-from jax_lossscale import _probe_equinox as pe
 from jax_lossscale import _probe_frameworks as pf
 from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
@@ -23,16 +22,6 @@ from jax_lossscale import diagnostics
 F16 = jnp.float16
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), F16)
 Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), F16)
-
-
-@jax.custom_vjp
-def scale_backward(x, factor):
-  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
-  return x
-
-
-scale_backward.defvjp(lambda x, factor: (x, factor),
-                      lambda factor, g: (g * factor.astype(g.dtype), jnp.zeros_like(factor)))
 
 
 def mse(prediction, target):
@@ -121,14 +110,6 @@ def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   _, grads, _ = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))(
       params, model, X, Y)
   chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
-
-
-def hits_like_unprobed(value_and_grad, adapter, loss, model, x) -> list[tuple[str, int]]:
-  """Each layer's hits, after checking that the probed value and gradients are the
-  unprobed ones."""
-  value, grads, probes = pr.value_and_grad_with_probes(value_and_grad, adapter(loss))(model, x)
-  chex.assert_trees_all_equal((value, grads), value_and_grad(loss)(model, x))
-  return [(name, int(s.hits)) for name, s in diagnostics.layers(probes)]
 
 
 # --- flax NNX -----------------------------------------------------------------------
@@ -270,199 +251,3 @@ def test_nnx_gradients_equal_those_without_probes():
   _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))(
       model, X, Y)
   chex.assert_trees_all_equal(grads, nnx.grad(nnx_loss)(model, X, Y))
-
-
-# --- equinox ------------------------------------------------------------------------
-
-
-class EqxBlock(eqx.Module):
-  linear: eqx.nn.Linear
-  factor: jax.Array  # inf: an overflow in this layer
-
-  def __init__(self, key):
-    self.linear = eqx.nn.Linear(8, 8, key=key)  # float32 weights, float16 activations
-    self.factor = jnp.ones(())
-
-  def __call__(self, x):
-    return scale_backward(jax.nn.relu(self.linear(x)).astype(F16), self.factor)
-
-
-class EqxModel(eqx.Module):
-  """An embedding, three stacked blocks run by lax.scan, a function and an output."""
-
-  embed: eqx.nn.Linear
-  blocks: EqxBlock
-  activation: callable
-  out: eqx.nn.Linear
-
-  def __init__(self, key):
-    keys = jax.random.split(key, 5)
-    self.embed = eqx.nn.Linear(4, 8, key=keys[0])
-    self.blocks = eqx.filter_vmap(EqxBlock)(keys[1:4])
-    self.activation = jax.nn.gelu
-    self.out = eqx.nn.Linear(8, 2, key=keys[4])
-
-  def __call__(self, x):
-    dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-    h = self.embed(x).astype(F16)
-    h, _ = lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)
-    return self.out(self.activation(h))
-
-
-def eqx_loss(model, x, y):
-  return mse(jax.vmap(model)(x), y)
-
-
-def test_equinox_trains_with_a_probed_view_and_one_row_per_stacked_block():
-  model = EqxModel(jax.random.key(0))
-  tx = optax.adam(1e-2)
-  opt_state = tx.init(eqx.filter(model, eqx.is_array))
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
-                                          pe.equinox_probes(eqx_loss))
-
-  @eqx.filter_jit
-  def step(model, opt_state):
-    loss, grads, probes = grad_fn(model, X, Y)
-    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss, probes
-
-  losses = []
-  for _ in range(10):
-    model, opt_state, loss, probes = step(model, opt_state)
-    losses.append(float(loss))
-  assert losses[-1] < losses[0] and model.activation is jax.nn.gelu
-  assert list(probes) == ["embed", "blocks/linear", "blocks", "out"]  # the model's is out's
-  # vmap inside the loss: one hit per example, in each block's own row.
-  assert list(np.asarray(probes["blocks"].hits)) == [16, 16, 16]
-  assert int(probes["out"].hits) == 16
-
-
-def test_equinox_an_overflow_in_the_third_stacked_block_is_named_by_its_row():
-  model = EqxModel(jax.random.key(0))
-  model = eqx.tree_at(lambda m: m.blocks.factor, model, jnp.array([1.0, 1.0, jnp.inf]))
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
-                                          pe.equinox_probes(eqx_loss))
-  _, grads, probes = grad_fn(model, X, Y)
-  chex.assert_trees_all_equal_structs(grads, eqx.filter(model, eqx.is_inexact_array))
-  assert diagnostics.backward_overflow_origin(probes) == "blocks[2]"
-
-
-def test_equinox_two_stacks_of_one_depth_are_read_in_forward_order():
-  class TwoStacks(eqx.Module):
-    encoder: EqxBlock
-    decoder: EqxBlock
-
-    def __call__(self, x):
-      for stack in (self.encoder, self.decoder):
-        dynamic, static = eqx.partition(stack, eqx.is_array)
-        x, _ = lax.scan(lambda h, d, static=static: (eqx.combine(d, static)(h), None),
-                        x, dynamic)
-      return x
-
-  keys = jax.random.split(jax.random.key(0), 6)
-  model = TwoStacks(eqx.filter_vmap(EqxBlock)(keys[:3]), eqx.filter_vmap(EqxBlock)(keys[3:]))
-  model = eqx.tree_at(lambda m: m.decoder.factor, model, jnp.array([jnp.inf, 1.0, 1.0]))
-  loss = lambda m, x: jnp.sum(jax.vmap(m)(x).astype(jnp.float32))
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pe.equinox_probes(loss))
-  probes = grad_fn(model, jnp.ones((4, 8), F16))[2]
-  rows = lambda stack: [f"{stack}{p}[{i}]" for i in range(3) for p in ("/linear", "")]
-  assert [name for name, _ in diagnostics.layers(probes)] == [
-      *rows("encoder"), *rows("decoder"), "TwoStacks"]
-  assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
-
-
-def eqx_run(stack, h):
-  dynamic, static = eqx.partition(stack, eqx.is_array)
-  return lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)[0]
-
-
-class EqxGroup(eqx.Module):
-  blocks: EqxBlock
-
-  def __init__(self, key):
-    self.blocks = eqx.filter_vmap(EqxBlock)(jax.random.split(key, 2))
-
-  def __call__(self, x):
-    return eqx_run(self.blocks, x)
-
-
-def test_equinox_a_stack_of_stacks_is_probed_with_its_layers_summed():
-  # It failed with IndexError, as for NNX.
-  model = eqx.filter_vmap(EqxGroup)(jax.random.split(jax.random.key(0), 3))
-  loss = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, loss, model,
-                            jnp.ones(8, F16)) == [
-      ("blocks/linear", 6), ("blocks", 6), ("EqxGroup", 3)]
-
-
-def test_equinox_a_probed_view_reads_attributes_through_to_the_module():
-  model = EqxModel(jax.random.key(0))
-
-  def loss(model, x, y):
-    assert model.embed.weight.shape == (8, 4)  # through the wrapper
-    return eqx_loss(model, x, y)
-
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pe.equinox_probes(loss))
-  _, grads, _ = grad_fn(model, X, Y)
-  chex.assert_trees_all_equal(grads, eqx.filter_grad(eqx_loss)(model, X, Y))
-
-
-class EqxNormed(eqx.Module):
-  """Batch norms inside a Sequential (which checks for stateful layers) and called
-  directly (which reads its `StateIndex`)."""
-
-  seq: eqx.nn.Sequential
-  norm: eqx.nn.BatchNorm
-
-  def __init__(self, key):
-    self.seq = eqx.nn.Sequential([eqx.nn.Linear(4, 3, key=key),
-                                  eqx.nn.BatchNorm(3, "batch", mode="batch")])
-    self.norm = eqx.nn.BatchNorm(3, "batch", mode="batch")
-
-  def __call__(self, x, state):
-    return self.norm(*self.seq(x, state))
-
-
-def test_equinox_stateful_layers_are_probed_and_change_nothing():
-  # Sequential skipped its wrapped BatchNorm's state (TypeError), and a wrapped
-  # StateIndex was refused as a state key (ValueError).
-  model, state = eqx.nn.make_with_state(EqxNormed)(jax.random.key(0))
-
-  def loss(model, state, x):
-    out, state = jax.vmap(model, (0, None), (0, None), "batch")(x, state)
-    return jnp.sum(out ** 2), state
-
-  (value, new_state), grads, probes = pr.value_and_grad_with_probes(
-      eqx.filter_value_and_grad, pe.equinox_probes(loss), has_aux=True)(model, state, X)
-  chex.assert_trees_all_equal(((value, new_state), grads),
-                              eqx.filter_value_and_grad(loss, has_aux=True)(model, state, X))
-  # A batch norm's output is (out, state): `out` is probed, under the norm's own name.
-  assert [(name, int(s.hits)) for name, s in diagnostics.layers(probes)] == [
-      ("seq/layers/0", 16), ("seq/layers/1", 16), ("norm", 16)]
-
-
-def test_equinox_a_model_partitioned_outside_the_loss_is_probed_when_combined_in_it():
-  # The loss's eqx.combine(diff, static) failed: the probed view of `diff` had wrappers
-  # where `static` had modules (ValueError: pytree structure error).
-  model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
-  diff, static = eqx.partition(model, eqx.is_inexact_array)
-  loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x))
-  assert hits_like_unprobed(jax.value_and_grad, pe.equinox_probes, loss, diff, X) == [
-      ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
-  assert not hasattr(eqx.nn.Linear.__call__, "_probes_output")  # the class restored
-
-
-def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
-  # The probed view is tried first: a stack the loss scans itself keeps one row per
-  # layer, and a model called under eqx.filter_jit in the loss is still probed (found
-  # at call time, neither would be: the jit traces arrays anew, the scan slices them).
-  stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
-  scanned = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, scanned, stack,
-                            jnp.ones(8, F16)) == [
-      ("linear[0]", 1), ("EqxBlock[0]", 1), ("linear[1]", 1), ("EqxBlock[1]", 1),
-      ("linear[2]", 1), ("EqxBlock[2]", 1)]
-  model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
-  jitted = lambda m, x: jnp.sum(eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, x))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, jitted, model, X) == [
-      ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import scale_backward
 from jax import lax
 from jax.extend.core import ClosedJaxpr
 
@@ -18,16 +19,6 @@ from jax_lossscale import diagnostics
 
 HERE = pathlib.Path(__file__).parent
 F16 = jnp.float16
-
-
-@jax.custom_vjp
-def scale_backward(x, factor):
-  """The identity, whose gradient is multiplied by `factor` (inf: a backward overflow)."""
-  return x
-
-
-scale_backward.defvjp(lambda x, factor: (x, factor),
-                      lambda factor, g: (g * factor.astype(g.dtype), jnp.zeros_like(factor)))
 
 
 def mlp(params, x, overflow_at=None, nan_at=None, probed=True):
