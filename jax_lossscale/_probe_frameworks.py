@@ -77,7 +77,9 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Probes are named by module path, as in the params: `"Dense_0"`, `"encoder/layer_1"`;
   the top-level module by its class name. Inside `nn.scan`, a module's probe sums over
   the layers (one row, `hits` = layers): linen's lifted scan slices only the variable
-  collections the model names, so no index can ride along.
+  collections the model names, so no index can ride along. Two models applied in one
+  loss (a generator and a discriminator) are each named inside their own: a path both
+  have sums their probes (give `probe` names of your own there).
 
   Args:
     fun: a function that applies linen modules (a loss calling `model.apply`).
