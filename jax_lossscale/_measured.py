@@ -8,7 +8,7 @@ that the unscaled maximum was at least `65504 / scale`, which enters the history
 measurement: the maximum exceeded `65504 / scale`, so at half the scale it might fit.
 A gradient no probe sees can overflow where the measurements say the scale fits: the
 scale that overflowed becomes a ceiling, held for `history` steps, then tried again;
-each time it overflows again, the next ceiling is held twice as long.
+each time the retry overflows, the next ceiling is held twice as long (up to 64 times).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from jax_lossscale._loss_scale import set_fields
 from jax_lossscale._loss_scale import state_field
 from jax_lossscale._loss_scale import with_state
 
-_MAX_STRIKES = 14  # history (<= 2**16) << 14 fits an int32
-_MAX_PATIENCE = 1 << 30
+_MAX_STRIKES = 6  # the longest wait: history << 6
 
 
 @loss_scale_dataclass
@@ -50,12 +49,14 @@ class MeasuredLossScale(LossScale):
   without the grow-overflow-skip cycle of `DynamicLossScale`; a step is skipped only
   when a gradient grows more than `2**margin` times beyond the recent maximum, or when
   a gradient nothing measures (inside a layer, between probes) overflows. Then the
-  scale that overflowed is a ceiling: for `history` steps the scale stays below it,
-  for `history` more at most at it; an overflow there (a strike) keeps the next
-  ceiling twice as long (4, 8, ... times `history` after more strikes), so such a
-  gradient costs skipped steps that grow with the logarithm of the run's length, where
-  `DynamicLossScale` skips one step every growth period. Under `optax.MultiSteps`,
-  each micro-batch is a step of the history.
+  scale that overflowed is a ceiling: for `history` steps the scale stays below it
+  (an overflow there within `history` steps of the last lowers it), then it is tried
+  again; an overflow on that first step back (a strike) holds the next ceiling twice as
+  long (4, 8, ... up to 64 times `history`), so such a gradient costs skipped steps that
+  grow with the logarithm of the run's length, where `DynamicLossScale` skips one step
+  every growth period. A NaN that no scale avoids (a bad example) skips its step and
+  halves the scale for `history` steps, but does not lower the ceiling. Under
+  `optax.MultiSteps`, each micro-batch is a step of the history.
 
   Args:
     initial_loss_scale: the first scale (before anything is measured).
@@ -110,7 +111,7 @@ class MeasuredLossScale(LossScale):
                                self.max_loss_scale),
         "maxima": (np.zeros(self.history), f32, 0.0, _numerics.FLOAT32_MAX),
         "ceiling": (0.0, f32, 0.0, _numerics.FLOAT32_MAX),
-        "patience": (-self.history, i32, -self.history, _MAX_PATIENCE),
+        "patience": (-self.history, i32, -self.history, self.history << _MAX_STRIKES),
         "strikes": (0, i32, 0, _MAX_STRIKES)})
 
   def __call__(self) -> jax.Array:
@@ -142,17 +143,26 @@ class MeasuredLossScale(LossScale):
                       patience=patience, strikes=strikes)
 
   def _ceiling(self, overflow: jax.Array, scale: jax.Array):
-    """The ceiling, its patience and the strikes after this step. While patience > 0 the
-    scale stays below the ceiling; for `history` steps after, at most at it (on
-    probation: an overflow there is a strike); then it is free."""
+    """The ceiling, its patience and the strikes after this step.
+
+    An overflow makes the scale it ran at the ceiling: for `history << strikes` steps
+    the scale stays below it, for `history` more at most at it, then it is free. An
+    overflow on the first step back at the ceiling is a strike (the ceiling was right);
+    one while it holds, more than `history` steps after the last, changes nothing but
+    the history (a NaN that no scale avoids must not drive the ceiling down).
+    """
     ceiling = jnp.asarray(self.ceiling, jnp.float32)
     patience = jnp.asarray(self.patience, jnp.int32)
     strikes = jnp.asarray(self.strikes, jnp.int32)
-    struck = jnp.where(scale >= ceiling, jnp.minimum(strikes + 1, _MAX_STRIKES), strikes)
-    strikes = jnp.where(overflow, jnp.where(patience > -self.history, struck, 0), strikes)
-    kept = jnp.minimum(np.int32(self.history) << strikes, _MAX_PATIENCE)
-    patience = jnp.where(overflow, kept, jnp.maximum(patience - 1, -self.history))
-    return jnp.where(overflow, scale, ceiling), patience, strikes
+    held = np.int32(self.history) << strikes
+    struck = (patience == 0) & (scale >= ceiling)
+    stale = (patience > 0) & (patience <= held - self.history)
+    strikes = jnp.where(overflow, jnp.where(patience <= -self.history, 0, jnp.where(
+        struck, jnp.minimum(strikes + 1, _MAX_STRIKES), strikes)), strikes)
+    moved = overflow & ~stale
+    patience = jnp.where(moved, np.int32(self.history) << strikes,
+                         jnp.maximum(patience - 1, -self.history))
+    return jnp.where(moved, scale, ceiling), patience, strikes
 
 
 def _log2_floor_ratio(a: jax.Array, b: jax.Array) -> jax.Array:

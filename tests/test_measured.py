@@ -173,3 +173,17 @@ def test_under_multisteps_every_micro_batch_is_measured():
     grads = {"w": jnp.array([maximum, 0.0]) * state.loss_scale()}
     _, state = jax.jit(tx.update)(grads, state, params)
   assert float(state.loss_scale()) == 2.0**13 and bool(state.last_applied)
+
+
+def test_nans_no_scale_avoids_do_not_drive_the_scale_down():
+  # A NaN gradient every 6 steps whatever the scale (a rare bad example, with a finite
+  # loss): each skips its step and halves the scale for `history` steps, as any overflow
+  # does, but does not lower the ceiling (nor lengthen its wait); once they stop, the
+  # scale is back within `history` steps.
+  loss_scale, scales = jls.MeasuredLossScale(2.0**15, history=4), []
+  for step in range(150):
+    nan = step % 6 == 5 and step < 120
+    seen = 0.0 if nan else float(loss_scale())  # an unscaled maximum of 1: 2**15 fits
+    loss_scale = loss_scale._next(jnp.array(not nan), jnp.float32(seen))
+    scales.append(float(loss_scale()))
+  assert min(scales) == 2.0**14 and scales[120 + 4:] == [2.0**15] * (150 - 124)
