@@ -11,9 +11,11 @@ into these. Two of jmp's bugs are fixed:
   `period` and `factor`, and the registration enumerates every field.
 * The scale is held in float32. jmp keeps the dtype it is given, and a float16 scale
   cannot hold 2**16: it stops growing at 2**15, and its products overflow. A float16
-  or integer scale is converted to float32 (an integer one with jmp's warning). What
-  `scale` and `unscale` return keeps jmp's dtypes: a float16 leaf times a Python number
-  or a float16 scale stays float16, as a `lax.fori_loop` carrying it needs.
+  or integer scale is converted to float32 (an integer one with jmp's warning). A
+  `StaticLossScale` returns jmp's dtypes all the same: a float16 leaf times a Python
+  number or a float16 scale stays float16, as a `lax.fori_loop` carrying it needs. A
+  `DynamicLossScale`'s products are float32, as jmp's are once `adjust` has promoted
+  its scale to its float32 `min_loss_scale`.
 
 `all_finite` and `select_tree` are the library's: `all_finite` also catches the NaN
 that XLA:CPU max-reductions drop, and handles float8 leaves; like jmp's, it answers per
@@ -96,8 +98,9 @@ def _float32(value: Any) -> Any:
 
   Objects that are neither pass through, as jmp lets them.
   """
-  if isinstance(value, jax.Array):
-    return value if value.dtype == jnp.float32 else value.astype(jnp.float32)
+  if isinstance(value, jax.Array):  # strongly typed: a weak one would let float16 stay
+    return (value if value.dtype == jnp.float32 and not value.weak_type else
+            jax.lax.convert_element_type(value, jnp.float32))
   return np.asarray(value, np.float32) if _is_number(value) else value
 
 
@@ -110,14 +113,18 @@ def _warn_if_not_floating(value: Any, argument: str) -> None:
 
 def _product_type(value: Any) -> Any:
   """What jmp's products with the scale `value` take their dtype from: a Python number
-  or a weakly typed array is weak (`float`: float16 leaves stay float16), else its dtype."""
-  if isinstance(value, (int, float)) or getattr(value, "weak_type", False):
+  or a weakly typed array is weak (`float`: float16 leaves stay float16), else its
+  (canonical) dtype."""
+  if type(value) in (int, float) or getattr(value, "weak_type", False):
     return float
-  return np.dtype(getattr(value, "dtype", np.float32))
+  return jax.dtypes.canonicalize_dtype(getattr(value, "dtype", np.float32))
 
 
-def _multiply(tree: T, factor: Any, product_type: Any) -> T:
-  """Every leaf times `factor` (float32), in the dtype jmp's product would have."""
+def _multiply(tree: T, factor: Any, product_type: Any = None) -> T:
+  """Every leaf times `factor` (float32), in the dtype jmp's product with a scale of
+  `product_type` would have (None: the float32 product's)."""
+  if product_type is None:
+    return jax.tree_util.tree_map(lambda x: x * factor, tree)
   return jax.tree_util.tree_map(
       lambda x: (x * factor).astype(jnp.result_type(x, product_type)), tree)
 
@@ -209,11 +216,8 @@ class DynamicLossScale:
   period: int = 2000
   factor: int = 2
   min_loss_scale: jax.Array = dataclasses.field(default_factory=lambda: np.float32(1))
-  _product_type: Any = dataclasses.field(default=None, repr=False)  # see `_product_type`
 
   def __post_init__(self):
-    if self._product_type is None:
-      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
     if isinstance(self.min_loss_scale, jax.core.Tracer):
@@ -224,13 +228,14 @@ class DynamicLossScale:
     object.__setattr__(self, "min_loss_scale", np.float32(_float32(self.min_loss_scale)))
 
   def scale(self, tree: T) -> T:
-    """Multiplies every leaf of `tree` by the scale (each in jmp's dtype: a float16 leaf
-    stays float16 for a scale given as a Python number or in float16)."""
-    return _multiply(tree, self.loss_scale, self._product_type)
+    """Multiplies every leaf of `tree` by the scale, in float32 (float16 leaves widen,
+    as with jmp's once `adjust` has promoted its scale to its float32 `min_loss_scale`:
+    unscaled in float16, small gradients would be lost)."""
+    return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    return _multiply(tree, 1 / self.loss_scale, self._product_type)
+    return _multiply(tree, 1 / self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
     """Returns the next loss scale, given whether this step's gradients are finite.

@@ -241,23 +241,40 @@ def test_half_dtype_makes_a_half_precision_scalar_as_jmps():
   assert float(jmp.DynamicLossScale(jmp.half_dtype()(2**15)).loss_scale) == 2**15
 
 
-@pytest.mark.parametrize("given", [
-    lambda: 2**15, lambda: 2.0**15, lambda: jnp.float16(2**15), lambda: jnp.asarray(2.0**15),
-    lambda: jnp.float32(2**15), lambda: np.float16(2**15)],
-    ids=["python-int", "python-float", "float16", "weak-float32", "float32", "np.float16"])
-@pytest.mark.parametrize("kind", ["StaticLossScale", "DynamicLossScale"])
-def test_scaled_and_unscaled_values_keep_jmps_dtypes(kind, given):
-  # The scale is held in float32, but what scale/unscale return has jmp's dtype: a
-  # float16 leaf times a Python number or a float16 scale stays float16, so a fori_loop
-  # carrying float16 parameters through jmp code keeps its types.
-  tree = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32)}
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
-    ours, theirs = (getattr(m, kind)(given()) for m in (jmp, real_jmp))
+GIVEN = {"python-int": lambda: 2**15, "python-float": lambda: 2.0**15,
+         "float16": lambda: jnp.float16(2**15), "weak-float32": lambda: jnp.asarray(2.0**15),
+         "float32": lambda: jnp.float32(2**15), "np.float16": lambda: np.float16(2**15),
+         "np.float64": lambda: np.float64(2**15)}
+HALF_AND_FULL = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32)}
+
+
+def assert_scaled_alike(ours, theirs):
   for method in ("scale", "unscale"):
-    got, want = (getattr(s, method)(tree) for s in (ours, theirs))
+    got, want = (getattr(s, method)(HALF_AND_FULL) for s in (ours, theirs))
     assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
     chex.assert_trees_all_equal(got, want)
-  if want["h"].dtype == jnp.float16:  # jmp's loop works, so must ours
+
+
+@pytest.mark.parametrize("given", GIVEN.values(), ids=GIVEN)
+def test_a_static_scale_returns_jmps_dtypes(given):
+  # Held in float32, but a float16 leaf times a Python number or a float16 scale stays
+  # float16, so a fori_loop carrying float16 parameters through jmp code keeps its types.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
+    ours, theirs = jmp.StaticLossScale(given()), real_jmp.StaticLossScale(given())
+  assert_scaled_alike(ours, theirs)
+  if theirs.scale(HALF_AND_FULL)["h"].dtype == jnp.float16:  # jmp's loop works, so must ours
     step = lambda _, p: ours.unscale(jax.grad(lambda p: ours.scale(jnp.sum(p * p)))(p))
-    assert jax.lax.fori_loop(0, 2, step, tree["h"]).dtype == jnp.float16
+    assert jax.lax.fori_loop(0, 2, step, HALF_AND_FULL["h"]).dtype == jnp.float16
+
+
+@pytest.mark.parametrize("given", ["python-float", "weak-float32", "float32", "np.float64"])
+def test_a_dynamic_scale_returns_float32_products_as_jmps_does_once_adjusted(given):
+  # jmp's adjust promotes the scale with its float32 min_loss_scale; unscaled in
+  # float16, gradients below 2**-24 would be lost. Ours is float32 from the start, and
+  # a fori_loop adjusting it keeps one type, as jmp's does.
+  ours = jmp.DynamicLossScale(GIVEN[given](), period=10)
+  theirs = real_jmp.DynamicLossScale(GIVEN[given](), period=10).adjust(jnp.bool_(True))
+  assert_scaled_alike(ours, theirs)
+  looped = jax.lax.fori_loop(0, 3, lambda _, s: s.adjust(jnp.bool_(True)), ours)
+  assert int(looped.counter) == 3
