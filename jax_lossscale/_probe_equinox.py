@@ -40,10 +40,9 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
 
   `fun` gets a probed view of `model`, made inside `fun`, so the gradients have
   `model`'s structure. A loss that `eqx.combine`s the model with a static part of its
-  own cannot take one: it gets `model` itself, and a module it calls is probed if it
-  is `model`'s (its arrays `model`'s, or a stack's slices, found by type; not another
-  model's, nor arrays traced anew by a jit or checkpoint inside the loss; a stack the
-  loss scans itself sums its layers into one row).
+  own cannot take one: it gets `model` itself, and a module it calls is probed if its
+  arrays are `model`'s own (not another model's of the same class, nor arrays made
+  anew inside the loss: by a jit or checkpoint, or the slices of a stack it scans).
 
   Args:
     fun: a loss taking the model first.
@@ -53,7 +52,7 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   """
   def probed(model, *args, **kwargs):
     if _probes.equinox_views():
-      return fun(_equinox_view(model, (), True), *args, **kwargs)
+      return fun(_equinox_view(model, ()), *args, **kwargs)
     placement = _EquinoxPlacement(model)
     token = _EQUINOX.set(placement)
     try:
@@ -75,30 +74,22 @@ class _EquinoxPlacement:
     import equinox as eqx
 
     self.viewing = False  # inside a view, whose own wrappers probe
-    self.inexact = lambda m: jax.tree.flatten(eqx.filter(m, eqx.is_inexact_array))
     modules = [((), model)]
     for path, module in modules:  # and the submodules appended as it goes
       sub = lambda x, module=module: isinstance(x, eqx.Module) and x is not module
       modules += [(path + key, child) for key, child in jax.tree_util.tree_flatten_with_path(
           module, is_leaf=sub)[0] if sub(child)]
     self.classes = {type(m) for _, m in modules if callable(m)}
-    self.arrays = [(path, type(m), *self.inexact(m)) for path, m in modules]
     self.paths = {id(leaf): path for path, leaf in jax.tree_util.tree_leaves_with_path(
         model) if eqx.is_array(leaf)}
 
-  def find(self, module) -> tuple[tuple, bool] | None:
-    """`(path, rows)`: `module`'s path in the model, and whether its arrays are the
-    model's (a stack in it can have rows), not slices; None if not the model's."""
+  def find(self, module) -> tuple | None:
+    """`module`'s path in the model, found by its arrays; None if not the model's."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(module):
-      at = self.paths.get(id(leaf), ())
-      if at[len(at) - len(path):] == path:
-        return at[:len(at) - len(path)], True
-    arrays, tree = self.inexact(module)  # or a slice of a stack, scanned by the loss?
-    found = [path for path, cls, stack, stack_tree in self.arrays
-             if cls is type(module) and stack_tree == tree and arrays
-             and stacked_length(stack) is not None
-             and all(s.shape[1:] == a.shape for s, a in zip(stack, arrays, strict=True))]
-    return (found[0], False) if len(found) == 1 else None
+      at = self.paths.get(id(leaf))
+      if at is not None and at[len(at) - len(path):] == path:
+        return at[:len(at) - len(path)]
+    return None
 
 
 def _equinox_call(call):
@@ -112,7 +103,7 @@ def _equinox_call(call):
       return call(self, *args, **kwargs)
     placement.viewing = True
     try:
-      return _equinox_view(self, *found)(*args, **kwargs)
+      return _equinox_view(self, found)(*args, **kwargs)
     finally:
       placement.viewing = False
 
@@ -120,7 +111,7 @@ def _equinox_call(call):
   return __call__
 
 
-def _equinox_view(module, path, rows: bool, inherited: int | None = None):
+def _equinox_view(module, path, inherited: int | None = None):
   import equinox as eqx
 
   arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
@@ -128,11 +119,11 @@ def _equinox_view(module, path, rows: bool, inherited: int | None = None):
   is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
   children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
   view = jax.tree.unflatten(treedef, [
-      _equinox_view(child, path + key, rows, length) if is_submodule(child) else child
+      _equinox_view(child, path + key, length) if is_submodule(child) else child
       for key, child in children])
   if not callable(module):  # not a layer (a StateIndex, found by its type)
     return view
-  if length is not None and not (rows and _probes.stacked_rows()):
+  if length is not None and not _probes.stacked_rows():
     length = None
   index = None if length is None else jnp.arange(length)
   return _equinox_probed()(view, index, join(path) or type(module).__name__, length)

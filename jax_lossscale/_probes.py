@@ -248,20 +248,24 @@ def value_and_grad_with_probes(
 
 def _discover_with_fallbacks(fun, args, kwargs):
   """`(options, _discover(...))`: with the adapters' stacked rows and equinox views; if
-  the first pass fails with them, without the rows, then without the views (the error
-  of the first try is raised if none works)."""
-  first, used = None, set()
+  the first pass fails with them, without the rows, then without the views. If none
+  works, the last error is raised: it is the loss's own, once no option is in the way."""
+  errors, used = [], set()
   for rows, views in ((True, True), (False, True), (True, False), (False, False)):
     if (not rows and "rows" not in used) or (not views and "views" not in used):
       continue  # turning off an option that was not used changes nothing
     session = _Discovery({}, rows=rows, views=views)
     try:
       return {"rows": rows, "views": views}, _discover(session, fun, args, kwargs)
-    except Exception as error:  # noqa: BLE001 (the first one is raised again)
-      first, used = first or error, used | session.used
+    except Exception as error:  # noqa: BLE001 (raised below)
+      errors.append(error)
+      used |= session.used
       if not session.used:
         break
-  raise first
+  if len(errors) > 1:
+    errors[-1].add_note(f"probes: the first pass also failed with the adapters' stacked "
+                        f"rows or equinox views: {type(errors[0]).__name__}: {str(errors[0]):.300}")
+  raise errors[-1]
 
 
 def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:

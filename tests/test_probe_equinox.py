@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import hits_like_unprobed
 from helpers import scale_backward
 from jax import lax
@@ -217,3 +218,31 @@ def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
   jitted = lambda m, x: jnp.sum(eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, x))
   assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, jitted, model, X) == [
       ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
+
+
+def test_equinox_found_at_call_time_another_model_of_the_same_class_is_not_probed():
+  # The loss combines a stack partitioned outside it (so it gets the model itself) and
+  # also runs a teacher block of the same class and shapes as one layer. Only modules
+  # whose arrays are the model's own are probed: the scan's slices are made anew, so
+  # nothing is; the teacher was once counted as the stack's layers (4 hits for 3).
+  stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
+  teacher = EqxBlock(jax.random.key(1))
+  diff, static = eqx.partition(stack, eqx.is_array)
+
+  def loss(diff, x):
+    h = lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), x, diff)[0]
+    return jnp.sum((h + teacher(x)).astype(jnp.float32))
+
+  assert hits_like_unprobed(jax.value_and_grad, pe.equinox_probes, loss, diff,
+                            jnp.ones(8, F16)) == []
+
+
+def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
+  # The view fails first (eqx.combine with a static part of the loss's own); the loss's
+  # own shape error, met once no option is in the way, is the one raised.
+  model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+  diff, static = eqx.partition(model, eqx.is_inexact_array)
+  loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x[:, :3]))
+  with pytest.raises(TypeError, match="dot_general") as raised:
+    pr.value_and_grad_with_probes(jax.value_and_grad, pe.equinox_probes(loss))(diff, X)
+  assert "equinox views" in "".join(getattr(raised.value, "__notes__", []))
