@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -158,22 +159,40 @@ def _nnx_annotated(model):
           delattr(module, attribute)
 
 
+_PATCHED: dict[type, list] = {}  # class -> [contexts inside, its own `__call__` or None]
+_PATCHING = threading.Lock()
+
+
 @contextlib.contextmanager
 def calls_probed(classes, wrap=None):
-  """Each class's `__call__`, wrapped by `wrap` (NNX's probing call), inside the context."""
-  undo = []
-  try:
+  """Each class's `__call__`, wrapped by `wrap` (NNX's probing call), inside the context.
+
+  Threads tracing at once share the patch: the first context in patches a class, the
+  last out restores it (the wrapper probes only for a context that measures).
+  """
+  entered = []
+  with _PATCHING:
     for cls in classes:
-      if not getattr(cls.__call__, "_probes_output", False):
-        undo.append((cls, cls.__dict__.get("__call__")))
+      if cls in _PATCHED:
+        _PATCHED[cls][0] += 1
+      elif getattr(cls.__call__, "_probes_output", False):
+        continue  # a subclass of a patched class, or marked unprobed
+      else:
+        _PATCHED[cls] = [1, cls.__dict__.get("__call__")]
         cls.__call__ = (wrap or _probing_call)(cls.__call__)
+      entered.append(cls)
+  try:
     yield
   finally:
-    for cls, own in undo:
-      if own is None:
-        del cls.__call__
-      else:
-        cls.__call__ = own
+    with _PATCHING:
+      for cls in entered:
+        _PATCHED[cls][0] -= 1
+        if not _PATCHED[cls][0]:
+          own = _PATCHED.pop(cls)[1]
+          if own is None:
+            del cls.__call__
+          else:
+            cls.__call__ = own
 
 
 def _probing_call(call):

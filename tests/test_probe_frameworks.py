@@ -251,3 +251,20 @@ def test_nnx_gradients_equal_those_without_probes():
   _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))(
       model, X, Y)
   chex.assert_trees_all_equal(grads, nnx.grad(nnx_loss)(model, X, Y))
+
+
+def test_overlapping_probing_contexts_keep_a_class_patched_until_the_last_one_leaves():
+  # Two threads tracing at once: the first to finish restored the class while the other
+  # still traced, whose probes then went unreached or unmeasured.
+  class Layer(nnx.Module):
+    def __call__(self, x):
+      return x
+
+  original = Layer.__call__
+  first, second = pf.calls_probed({Layer}), pf.calls_probed({Layer})
+  first.__enter__()
+  second.__enter__()
+  first.__exit__(None, None, None)
+  assert Layer.__call__ is not original and Layer.__call__._probes_output
+  second.__exit__(None, None, None)
+  assert Layer.__call__ is original
