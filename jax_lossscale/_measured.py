@@ -82,12 +82,12 @@ class MeasuredLossScale(LossScale):
   dtype: str = "float16"
   min_loss_scale: float = 1.0
   max_loss_scale: float = 2.0**24
-  _measures = True
   current_loss_scale: jax.Array = state_field()
   maxima: jax.Array = state_field()
   ceiling: jax.Array = state_field()
   patience: jax.Array = state_field()
   strikes: jax.Array = state_field()
+  _measures = True  # the step passes it what was measured
 
   def __post_init__(self):
     v = _validation

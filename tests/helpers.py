@@ -97,3 +97,12 @@ def hits_like_unprobed(value_and_grad, adapter, loss, model, x) -> list[tuple[st
   chex.assert_trees_all_equal((value, grads), value_and_grad(loss)(model, x))
   return [(name, int(s.hits)) for name, s in diagnostics.layers(probes)]
 
+
+def float16_normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+  """Standard normal samples in float16, from NumPy's generator seeded with `seed`."""
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float16)
+
+
+def mse(prediction, target):
+  """The mean squared error, in float32."""
+  return jnp.mean((prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)

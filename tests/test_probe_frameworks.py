@@ -12,7 +12,9 @@ import numpy as np
 import optax
 from flax import linen
 from flax import nnx
+from helpers import float16_normal
 from helpers import hits_like_unprobed
+from helpers import mse
 from helpers import scale_backward
 
 from jax_lossscale import _probe_frameworks as pf
@@ -20,12 +22,7 @@ from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
 
 F16 = jnp.float16
-X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), F16)
-Y = jnp.asarray(np.random.default_rng(1).normal(size=(16, 2)), F16)
-
-
-def mse(prediction, target):
-  return jnp.mean((prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
+X, Y = float16_normal(0, (16, 4)), float16_normal(1, (16, 2))
 
 
 # --- flax linen ---------------------------------------------------------------------
