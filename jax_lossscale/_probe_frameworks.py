@@ -78,9 +78,10 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Probes are named by module path, as in the params: `"Dense_0"`, `"encoder/layer_1"`;
   the top-level module by its class name. Inside `nn.scan`, a module's probe sums over
   the layers (one row, `hits` = layers): linen's lifted scan slices only the variable
-  collections the model names, so no index can ride along. Two models applied in one
-  loss (a generator and a discriminator) are each named inside their own: a path both
-  have sums their probes (give `probe` names of your own there).
+  collections the model names, so no index can ride along. A model of another class
+  applied in the same loss (a discriminator after a generator) has its paths under its
+  class name (`"Disc/Dense_0"`); two models of one class share names (give `probe`
+  names of your own there).
 
   Args:
     fun: a function that applies linen modules (a loss calling `model.apply`).
@@ -90,18 +91,23 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   """
   from flax import linen
 
-  def interceptor(next_fun, args, kwargs, context):
+  def interceptor(roots, next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     if context.method_name != "__call__":
       return out
-    name = "/".join(context.module.path) or type(context.module).__name__
-    return probe_output(out, name)
+    root = context.module
+    while isinstance(root.parent, linen.Module):
+      root = root.parent
+    roots.setdefault(type(root), len(roots))  # in the order met, alike in both passes
+    path = context.module.path if not roots[type(root)] else (
+        type(root).__name__, *context.module.path)
+    return probe_output(out, "/".join(path) or type(context.module).__name__)
 
   @functools.wraps(fun)
   def probed(*args, **kwargs):
     if not _probes.probing():
       return fun(*args, **kwargs)
-    with linen.intercept_methods(interceptor):
+    with linen.intercept_methods(functools.partial(interceptor, {})):
       return fun(*args, **kwargs)
 
   return probed

@@ -109,6 +109,33 @@ def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
 
 
+
+class LinenGenerator(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    return linen.Dense(2, dtype=F16)(linen.tanh(linen.Dense(8, dtype=F16)(x)))
+
+
+class LinenCritic(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    return linen.Dense(1, dtype=F16)(linen.relu(linen.Dense(8, dtype=F16)(x)))
+
+
+def test_linen_a_second_model_in_the_loss_is_named_under_its_class():
+  # A generator and a discriminator both have a `Dense_0`: their probes were summed under
+  # one name, mixing two unrelated tensors.
+  generator, critic = LinenGenerator(), LinenCritic()
+  g_params = generator.init(jax.random.key(0), X)
+  c_params = critic.init(jax.random.key(1), jnp.ones((16, 2), F16))
+  loss = lambda g, c, x: jnp.mean(critic.apply(c, generator.apply(g, x)).astype(jnp.float32))
+  value, grads, probes = pr.value_and_grad_with_probes(
+      jax.value_and_grad, pf.linen_probes(loss), argnums=(0, 1))(g_params, c_params, X)
+  chex.assert_trees_all_equal((value, grads), jax.value_and_grad(loss, (0, 1))(
+      g_params, c_params, X))
+  assert [(name, int(s.hits)) for name, s in diagnostics.layers(probes)] == [
+      ("Dense_1", 1), ("Dense_0", 1), ("LinenCritic/Dense_1", 1), ("LinenCritic/Dense_0", 1)]
+
 # --- flax NNX -----------------------------------------------------------------------
 
 
