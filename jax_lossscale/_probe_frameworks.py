@@ -171,7 +171,7 @@ _PATCHING = threading.Lock()
 
 @contextlib.contextmanager
 def calls_probed(classes, wrap=None):
-  """Each class's `__call__`, wrapped by `wrap` (NNX's probing call), inside the context.
+  """Each class's `__call__`, wrapped by `wrap` (default: NNX's probing call), inside it.
 
   Threads tracing at once share the patch: the first context in patches a class, the
   last out restores it (the wrapper probes only for a context that measures).

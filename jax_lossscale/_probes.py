@@ -38,7 +38,7 @@ class Probes(Mapping):
   """Probe name -> `ProbeSummary`, in forward order; a pytree (its tuples of names,
   lengths and order are static).
 
-  Each probe's measurements are sums over its hits, kept as two arrays (split into
+  Each probe's measurements are sums over its hits, kept as one array (split into
   fields inside a jitted step, they would cost a copy each) and summarized on access.
 
   Attributes:
