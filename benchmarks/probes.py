@@ -64,9 +64,11 @@ VARIANTS = {"unprobed": (False, contextlib.nullcontext),
     for group, classes in GROUPS.items()}
 
 
-def build(graphdef, init, tokens) -> tuple[dict, dict, dict]:
-  """Each variant's step, state after one step, and XLA's bytes accessed."""
-  steps, states, bytes_accessed = {}, {}, {}
+def build(graphdef, init, tokens) -> tuple[dict, dict, dict, dict]:
+  """Each variant's step, state after one step, XLA's bytes accessed and its temporary
+  buffers' size (what the step holds beyond its inputs and outputs: activations kept
+  for the backward pass among them)."""
+  steps, states, bytes_accessed, temp_bytes = {}, {}, {}, {}
   for name, (probes, context) in VARIANTS.items():
     steps[name], states[name] = transformer.make_step(graphdef, probes), init()
     with context():  # traced and compiled here, once
@@ -74,7 +76,8 @@ def build(graphdef, init, tokens) -> tuple[dict, dict, dict]:
       states[name], logs = steps[name](states[name], tokens)
     jax.block_until_ready(logs)
     bytes_accessed[name] = compiled.cost_analysis()["bytes accessed"]
-  return steps, states, bytes_accessed
+    temp_bytes[name] = compiled.memory_analysis().temp_size_in_bytes
+  return steps, states, bytes_accessed, temp_bytes
 
 
 def step_times(steps: dict, states: dict, batches: list, reps: int) -> dict[str, float]:
@@ -138,17 +141,19 @@ def unprobed_program_is_unchanged(model, tokens) -> bool:
   return jaxpr(transformer.loss_fn) == jaxpr(_probe_frameworks.placed(transformer.loss_fn))
 
 
-def report(config, reps, median, bytes_accessed, elements, compiled) -> None:
+def report(config, reps, median, bytes_accessed, temp_bytes, elements, compiled) -> None:
   device = jax.devices()[0]
   print(f"# {device.platform.upper()} {device.device_kind} ({platform.machine()}), jax "
         f"{jax.__version__}, optax {optax.__version__}; the transformer demo's float16 step, "
         f"{config.layers} layers, {config.batch}x{config.context} tokens; medians of {reps} "
         f"interleaved steps")
   base = median["unprobed"]
-  print(f"{'variant':>48s} {'ms/step':>8s} {'ratio':>6s} {'bytes ratio':>11s}")
+  print(f"{'variant':>48s} {'ms/step':>8s} {'ratio':>6s} {'bytes ratio':>11s} "
+        f"{'temp MB':>8s}")
   for name in median:
     print(f"{name:>48s} {1e3 * median[name]:8.1f} {median[name] / base:6.3f} "
-          f"{bytes_accessed[name] / bytes_accessed['unprobed']:11.3f}")
+          f"{bytes_accessed[name] / bytes_accessed['unprobed']:11.3f} "
+          f"{temp_bytes[name] / 1e6:8.1f}")
   print(f"\n{'probes on':>48s} {'elements':>9s} {'ms/step':>8s} {'ns/element':>10s}")
   for group in [*GROUPS, "all"]:
     cost = median["probed"] - median["unprobed" if group == "all" else f"probed, without {group}"]
@@ -175,10 +180,11 @@ def main(argv=None) -> None:
   split = lambda: transformer.init(config, data.vocab, transformer.FLOAT16,
                                    jls.MeasuredLossScale(), seed=0)
   graphdef, init = split()[0], lambda: split()[1]
-  steps, states, bytes_accessed = build(graphdef, init, batches[0])
+  steps, states, bytes_accessed, temp_bytes = build(graphdef, init, batches[0])
   median = step_times(steps, states, batches, args.reps)
   model = nnx.merge(graphdef, init())[0]
-  report(config, args.reps, median, bytes_accessed, probed_elements(model, batches[0]),
+  report(config, args.reps, median, bytes_accessed, temp_bytes,
+         probed_elements(model, batches[0]),
          compile_times(graphdef, init(), batches[0], args.compile_reps))
   print(f"unprobed program identical with the probes placed but not measuring: "
         f"{unprobed_program_is_unchanged(model, batches[0])}")

@@ -95,32 +95,39 @@ def _binade_bottom(hits, binades):
   return jnp.where((hits > 0) & (top > 0), bottom, 0.0)
 
 
-@jax.jit  # traced once per shape, not once per probe
-def measurements(x: jax.Array, g: jax.Array) -> jax.Array:
-  """One hit's `Probes.encoded`: both tensors' statistics, one variadic reduction, then
-  one small kernel that encodes them (a kernel each would add to compile time).
+def values(t: jax.Array) -> jax.Array:
+  """float32 `[VALUES]` of one tensor: its largest magnitude, its zero and subnormal
+  fractions, from one variadic reduction.
 
   Read as bit patterns: the magnitude's bits are an integer that orders like the
   magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
   this step, whose float16 arithmetic it emulates element by element (benchmarks/
   RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
   """
-  operands, init = bit_operands, _bit_init
-  combine = lambda a, b: tuple(jnp.maximum(p, q) if i % 3 == 0 else p + q
-                               for i, (p, q) in enumerate(zip(a, b, strict=True)))
-  reduced = lax.reduce(operands(x) + operands(g), init(x) + init(g), combine,
-                       tuple(range(x.ndim)))
+  combine = lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2])
+  largest, zeros, subnormals = lax.reduce(bit_operands(t), _bit_init(t), combine,
+                                          tuple(range(t.ndim)))
+  fraction = lambda count: count.astype(jnp.float32) / max(t.size, 1)  # 0 of nothing
+  return jnp.stack([as_magnitude(largest, t.dtype).astype(jnp.float32), fraction(zeros),
+                    fraction(subnormals)])
+
+
+@jax.jit  # traced once per shape, not once per probe
+def measurements(forward: jax.Array, g: jax.Array) -> jax.Array:
+  """One hit's `Probes.encoded`, from the activation's `values` (taken on the way
+  forward, so the activation itself is not kept for the backward pass) and its gradient
+  `g`, encoded by one small kernel (a kernel per row would add to compile time)."""
   column = lax.broadcasted_iota(jnp.int32, (WIDTH,), 0)
 
-  def row(largest, zeros, subnormals):
-    largest = as_magnitude(largest, x.dtype).astype(jnp.float32)
-    binade = lax.bitcast_convert_type(largest, jnp.int32) >> 23  # sign bit clear
-    fraction = lambda count: count.astype(jnp.float32) / max(x.size, 1)  # 0 of nothing
-    return jnp.select([column == 0, column == 1, column == 2],
-                      [largest, fraction(zeros), fraction(subnormals)],
+  def row(v):
+    binade = lax.bitcast_convert_type(v[0], jnp.int32) >> 23  # sign bit clear
+    return jnp.select([column == 0, column == 1, column == 2], [v[0], v[1], v[2]],
                       (column - VALUES == binade).astype(jnp.float32))
 
-  return jnp.stack([row(*reduced[:3]), row(*reduced[3:])])
+  return jnp.stack([row(forward), row(values(g))])
+
+
+forward_values = jax.jit(values)  # traced once per shape, not once per probe
 
 
 def _bits(dtype) -> jnp.dtype:

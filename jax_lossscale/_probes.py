@@ -187,8 +187,10 @@ def _measure(x, stats):
   return x
 
 
-_measure.defvjp(lambda x, stats: (x, x),  # the activation, measured with its gradient
-                lambda x, g: (g, _probe_stats.measurements(x, g)))
+# The activation is measured on the way forward: only its three values wait for the
+# backward pass, where they are encoded with its gradient's.
+_measure.defvjp(lambda x, stats: (x, _probe_stats.forward_values(x)),
+                lambda forward, g: (g, _probe_stats.measurements(forward, g)))
 
 
 def value_and_grad_with_probes(
