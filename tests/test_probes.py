@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -81,6 +82,20 @@ def reductions(fun, *args) -> int:
 def test_each_probe_costs_one_reduction_of_its_activation_and_one_of_its_gradient():
   plain = reductions(jax.value_and_grad(mlp), PARAMS, X)
   assert reductions(with_probes(mlp), PARAMS, X) == plain + 2 * len(PARAMS)
+
+
+def test_a_gradient_known_when_compiling_is_reduced_when_the_step_runs():
+  # The loss is the mean of the probed tensor: its gradient is a constant, which XLA's
+  # constant folding would reduce element by element inside the compiler (seconds per
+  # million elements). Both of the probe's reductions stay in the compiled program.
+  def loss(w, x):
+    return jnp.mean(pr.probe(x * w, "last").astype(jnp.float32))
+
+  w, x = jnp.float16(1), jnp.ones((4, 1024), F16)
+  program = jax.jit(with_probes(loss)).lower(w, x).compile().as_text()
+  # The probes' reductions: a maximum and two counts each, for the activation and the gradient.
+  assert len(re.findall(r"= \(\w+\[\], s32\[\], s32\[\]\) reduce\(", program)) == 2
+  assert with_probes(loss)(w, x)[2]["last"].backward.max_abs == np.float16(1 / x.size)
 
 
 def test_a_probe_keeps_no_activation_for_the_backward_pass():
