@@ -287,7 +287,7 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
         leaves, is_array, strict=True)])
   # Inside shard_map, each device's own: stats varying over the mesh, as under pmap.
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  zeros = lambda *shape: lax.pcast(jnp.zeros(shape), manual, to="varying")
+  zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
   rows = lambda n: () if n is None else (n,)
   return {name: zeros(*rows(n), 2, _probe_stats.WIDTH)
           for name, n in session.lengths.items()}, _forward_order(

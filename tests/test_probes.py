@@ -161,6 +161,15 @@ def test_a_probe_in_a_scan_over_layers_gives_one_row_per_layer():
     assert rows.headroom[i] == layer.headroom
 
 
+def test_rows_and_float64_activations_are_measured_under_x64():
+  # The stats inputs were float64 under x64, and a row's float32 cotangent did not fit.
+  with jax.enable_x64(True):
+    ws = jnp.stack(PARAMS).astype(jnp.float64)
+    probes = with_probes(scanned)(ws, X.astype(jnp.float64))[2]
+    assert list(probes["block"].hits) == [1, 1, 1, 1]
+    assert probes.encoded[0].dtype == jnp.float32
+
+
 def test_a_probe_in_a_scan_without_an_index_sums_the_layers():
   _, _, probes = with_probes(lambda ws, x: scanned(ws, x, index=False))(jnp.stack(PARAMS), X)
   assert int(probes["block"].hits) == 4 and probes["block"].hits.shape == ()
