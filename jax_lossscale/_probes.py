@@ -187,10 +187,18 @@ def _measure(x, stats):
   return x
 
 
-# The activation is measured on the way forward: only its three values wait for the
-# backward pass, where they are encoded with its gradient's.
-_measure.defvjp(lambda x, stats: (x, _probe_stats.forward_values(x)),
-                lambda forward, g: (g, _probe_stats.measurements(forward, g)))
+def _measure_fwd(x, stats):
+  """The activation is measured on the way forward: only its three values wait for the
+  backward pass. Inside `shard_map` they vary like `stats`, which may vary over more axes
+  than `x` (a tensor replicated across devices), as the cotangent of `stats` must."""
+  return x, _trees.varying_like(_probe_stats.forward_values(x), stats)
+
+
+def _measure_bwd(forward, g):
+  return g, _probe_stats.measurements(forward, _trees.varying_like(g, forward))
+
+
+_measure.defvjp(_measure_fwd, _measure_bwd)
 
 
 def value_and_grad_with_probes(

@@ -425,6 +425,17 @@ def multidevice_cases():
   assert list(np.asarray(probes["layer_0"].hits)) == [8] * 8
   on_device_0 = jax.tree.map(lambda leaf: leaf[0], probes)
   assert headroom(on_device_0) == {n: h - 3 for n, h in headroom(whole).items()}
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  def replicated(w, x):  # a tensor the same on every device, beside a sharded one
+    def loss(w, x):
+      return jnp.sum(pr.probe(jnp.sin(w), "replicated")) + jnp.sum(pr.probe(x * w[0], "x"))
+    return pr.all_reduce_probes(with_probes(loss)(w, x)[2], "data")
+
+  probes = replicated(jnp.ones(4), jnp.ones(8))
+  assert int(probes["replicated"].hits) == 8 and int(probes["x"].hits) == 8
+  assert float(probes["replicated"].forward.max_abs) == 0.5  # sin(1)'s binade, 8 hits
   print("8 devices: ok")
 
 
