@@ -143,8 +143,13 @@ class LossScale(abc.ABC):
       `(new_loss_scale, should_apply)`, where `should_apply` is a boolean scalar array:
       False when the gradients must not be applied this step.
     """
-    finite = _finite.all_finite(grads, axis_name)
-    return self._next(finite), self._applies(finite)
+    largest = _finite.largest_magnitudes(grads)
+    finite = _finite.agree([_finite.finite_after(largest)], axis_name)[0]
+    measured = None
+    if self._measures:  # the scaled gradients' largest magnitude, as a step measures it
+      unscaled = [m.astype(jnp.float32) for _, m in largest] or [jnp.zeros([], jnp.float32)]
+      measured = _finite.agree_max(jnp.max(jnp.stack(unscaled)), axis_name) * self()
+    return self._next(finite, measured), self._applies(finite)
 
   def _applies(self, finite: jax.Array) -> jax.Array:
     """`update`'s `should_apply` (TensorFlow: a fixed scale always applies)."""

@@ -128,6 +128,19 @@ def test_inside_loss_scaling_the_parameter_gradients_are_measured_without_probes
   assert float(state.loss_scale()) == 2.0 ** np.floor(np.log2(MAX16 / 3))
 
 
+def test_update_measures_the_unscaled_gradients_it_is_given_as_a_step_does():
+  # `LossScale.update` takes unscaled gradients: a largest magnitude of 100 allows 2**9.
+  grads = {"w": jnp.full((4,), 100.0), "b": jnp.array([-3.0], jnp.float16)}
+  new, should_apply = jax.jit(jls.MeasuredLossScale(2.0**4).update)(grads)
+  assert float(new()) == 2.0**9 == 2.0 ** np.floor(np.log2(MAX16 / 100)) and bool(should_apply)
+  assert float(new.maxima[0]) == 100.0
+  tx = jls.loss_scaling(optax.sgd(0.0), jls.MeasuredLossScale(2.0**4))
+  _, state = tx.update(jax.tree.map(lambda g: g * 2.0**4, grads), tx.init(grads))
+  assert float(state.loss_scale()) == float(new())
+  overflowed, should_apply = jls.MeasuredLossScale(2.0**4).update({"w": jnp.array([jnp.nan])})
+  assert float(overflowed()) == 2.0**3 and not bool(should_apply)
+
+
 def test_probes_measured_inside_the_backward_pass_set_the_scale():
   # The activation gradient, 1000 times the parameter gradient here, bounds the scale.
   def loss_fn(params, x):
