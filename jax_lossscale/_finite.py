@@ -4,7 +4,8 @@
 magnitude with NaN counted as +inf; `finite` compares it, rescaled as the leaves would
 be (by the reciprocal of the loss scale), with the first magnitude that overflows the dtype. So
 whether gradients stay finite once unscaled is known without unscaling them. `agree`
-makes every device of a `shard_map`/`pmap` see the same answer with one collective.
+makes every replica of a `shard_map`, `pmap` or named `vmap` see the same answer with one
+collective.
 Why the reduction looks as it does: benchmarks/RESULTS.md, "A NaN that a max-reduction
 loses" and "One decision, compiled once".
 """
@@ -20,6 +21,11 @@ import jax.numpy as jnp
 
 from jax_lossscale import _numerics
 from jax_lossscale import _trees
+
+try:  # The named axes in scope, `vmap`'s included: only private (`_named_vmap_axes`).
+  from jax._src.core import unsafe_get_axis_names as _axis_names_in_scope
+except ImportError:  # pragma: no cover
+  _axis_names_in_scope = None
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -153,12 +159,25 @@ def finite(tree: Any, rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
 
 
 def manual_axes(value: Any) -> tuple[Hashable, ...]:
-  """The manual mesh axes (`shard_map`, `pmap`) in scope where `value` was computed."""
+  """The replica axes in scope where `value` was computed: the manual mesh axes
+  (`shard_map`, `pmap`), then the named axes of an enclosing `vmap(..., axis_name=)`,
+  the one-device stand-in for `pmap`."""
   mesh = getattr(jax.typeof(value).sharding, "mesh", None)
   if mesh is None:
-    return ()
+    return _named_vmap_axes(())
   manual = jax.sharding.AxisType.Manual
-  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
+  axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
+  return axes + _named_vmap_axes(mesh.axis_names)
+
+
+def _named_vmap_axes(mesh_axes: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+  """Named axes in scope that are not mesh axes: those of `vmap(..., axis_name=)`.
+
+  JAX lists them only privately, the one private API used here; a JAX without it gives
+  none (`tests/test_finite.py` checks the installed JAX).
+  """
+  names = () if _axis_names_in_scope is None else _axis_names_in_scope()
+  return tuple(n for n in names if n not in mesh_axes)
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
@@ -170,10 +189,10 @@ def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
 def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
   """Each boolean flag, true only where it holds on every device.
 
-  The devices are those of `axis_name` if given, else of every manual mesh axis in scope
-  (inside `shard_map` or `pmap`): a replicated state then stays replicated, whatever
-  varies between devices. One collective for all the flags (a `psum` of an int32
-  vector); outside `shard_map`/`pmap` the flags are returned unchanged.
+  The devices are those of `axis_name` if given, else of every replica axis in scope
+  (`manual_axes`: of `shard_map`, `pmap` or a named `vmap`): a replicated state then
+  stays replicated, whatever varies between replicas. One collective for all the flags
+  (a `psum` of an int32 vector); outside them the flags are returned unchanged.
   """
   if not flags:
     return []
@@ -214,8 +233,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Args:
     tree: any pytree, typically gradients.
     axis_name: inside `shard_map` or `pmap`, the mapped axis name (or names) across
-      which the answer is agreed; by default every manual mesh axis in scope, so every
-      device gets the same answer (one collective on one scalar).
+      which the answer is agreed; by default every `shard_map`, `pmap` and named `vmap`
+      axis in scope, so every replica gets the same answer (one collective on one
+      scalar).
 
   Returns:
     A boolean scalar array.

@@ -235,12 +235,15 @@ def test_loss_scale_update_and_all_finite_take_axis_name(mesh):
   assert (np.asarray(scale) == 8.0).all()
 
 
-@pytest.mark.parametrize("dtype, clip, collectives", [
-    (jnp.float32, None, 1), (jnp.float32, 1.0, 1),
-    (jnp.float16, None, 2), (jnp.bfloat16, 1.0, 2)])  # narrow updates: one more, after
-def test_finiteness_is_agreed_with_one_scalar_collective(mesh, dtype, clip, collectives):
+@pytest.mark.parametrize("dtype, clip, loss_scale, collectives", [
+    (jnp.float32, None, "dynamic", 1), (jnp.float32, 1.0, "dynamic", 1),
+    (jnp.float16, None, "dynamic", 2), (jnp.bfloat16, 1.0, "dynamic", 2),  # narrow updates
+    (jnp.float32, None, jls.MeasuredLossScale(), 2)])  # and the largest gradient's pmax
+def test_finiteness_is_agreed_with_one_scalar_collective(mesh, dtype, clip, loss_scale,
+                                                          collectives):
   params, grads = jax.tree.map(lambda x: x.astype(dtype), per_device_case(mesh))
-  tx = jls.loss_scaling(optax.adam(0.1), axis_name="data", clip_by_global_norm=clip)
+  tx = jls.loss_scaling(optax.adam(0.1), loss_scale, axis_name="data",
+                        clip_by_global_norm=clip)
   state = tx.init(params)
   update = jax.jit(jax.shard_map(
       lambda g, s, p, loss: tx.update(g, s, p, loss=loss), mesh=mesh,

@@ -198,6 +198,23 @@ def test_outside_shard_map_and_pmap_flags_are_not_agreed():
   assert _finite.manual_axes(flag) == () and _finite.agree([flag]) == [flag]
 
 
+def test_under_a_named_vmap_every_replica_gets_the_same_answer_as_under_pmap():
+  # vmap(..., axis_name=) is pmap on one device: its replicas agree by default.
+  trees = {"g": jnp.array([[1.0, 2.0], [jnp.nan, 1.0], [3.0, 4.0]])}
+  assert jax.vmap(jls.all_finite, axis_name="b")(trees).tolist() == [False] * 3
+  assert jax.vmap(jls.all_finite)(trees).tolist() == [True, False, True]
+  nested = jax.vmap(jax.vmap(jls.all_finite, axis_name="i"), axis_name="o")
+  assert nested({"g": jnp.array([[1.0, 2.0], [3.0, jnp.inf]])}).tolist() == [[False] * 2] * 2
+
+
+def test_the_installed_jax_lists_named_vmap_axes_in_scope():
+  # The one private JAX API the library uses: if a newer JAX drops or changes it, this
+  # fails, and named vmap replicas would no longer agree by default.
+  seen = []
+  jax.vmap(lambda x: seen.append(_finite.manual_axes(x)) or x, axis_name="b")(jnp.ones(2))
+  assert _finite._axis_names_in_scope is not None and seen == [("b",)]
+
+
 def test_an_axis_name_that_is_not_mapped_is_refused_naming_axis_name():
   with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map"):
     jax.jit(lambda g: jls.all_finite(g, axis_name="data"))(jnp.ones(2))

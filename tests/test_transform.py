@@ -883,6 +883,28 @@ def test_under_vmap_each_member_skips_on_its_own(fused):
   assert states.skipped_steps.tolist() == [0, 1]
 
 
+@FUSED
+def test_under_a_named_vmap_replicas_agree_as_under_pmap(fused):
+  # vmap(..., axis_name="b") as the single-device stand-in for pmap, one replica's
+  # loss NaN: every replica skips for the loss, none blames an overflow.
+  tx = jls.loss_scaling(optax.sgd(1.0))
+  params = {"w": jnp.zeros((4, 3))}
+  states = jax.vmap(tx.init)(params)
+  grads = {"w": jnp.ones((4, 3))}
+  loss = jnp.array([1.0, jnp.nan, 1.0, 1.0])
+
+  def step(grads, state, params, loss):
+    if fused:
+      return tx.apply_gradients(grads, state, params, loss=loss)
+    updates, state = tx.update(grads, state, params, loss=loss)
+    return optax.apply_updates(params, updates), state
+
+  new_params, states = jax.jit(jax.vmap(step, axis_name="b"))(grads, states, params, loss)
+  chex.assert_trees_all_equal(new_params, params)
+  assert states.loss_scale().tolist() == [2.0**15] * 4
+  assert states.nonfinite_loss_steps.tolist() == [1] * 4
+
+
 @pytest.mark.parametrize("options, fused, branch_name", [
     ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default")])
 def test_donated_step_runs_without_any_host_transfer(options, fused, branch_name):
