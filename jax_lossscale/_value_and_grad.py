@@ -15,6 +15,7 @@ from jax_lossscale import _probe_frameworks
 from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._transform import LossScalingState
 
 
 class _Value(NamedTuple):
@@ -88,7 +89,19 @@ def scaled_value_and_grad(
           f"{type(opt_state).__name__}. Pass the state returned by tx.init / tx.update: the "
           "loss scale moves with every step, and only the state's own scale is the one "
           "tx.update unscales by. (To scale a loss by hand, use loss_scale.scale(loss).)")
-    loss_scale = _monitoring.find_state(opt_state).loss_scale
+    try:
+      loss_scale = _monitoring.find_state(opt_state).loss_scale
+    except ValueError as error:
+      misplaced = _misplaced_state(args, kwargs)
+      if misplaced is None:
+        error.add_note(f"scaled_value_and_grad({name}) takes the optimizer state first: "
+                       "grad_fn(opt_state, *args), opt_state from tx.init or tx.update "
+                       "of tx = jax_lossscale.loss_scaling(...).")
+        raise
+      raise TypeError(
+          f"scaled_value_and_grad({name}) takes the optimizer state first, then "
+          f"{name}'s arguments: call it as grad_fn(opt_state, *args), got the optimizer "
+          f"state as {misplaced} and a {type(opt_state).__name__} first.") from error
 
     def scaled(*a, **k):
       out = measured_fun(*a, **k)
@@ -114,6 +127,17 @@ def scaled_value_and_grad(
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")
   return scaled_value_and_grad_fn
+
+
+def _misplaced_state(args: tuple, kwargs: dict) -> str | None:
+  """Where an optimizer state was passed among the loss's own arguments, if it was."""
+  def holds_state(x):
+    x = getattr(x, "opt_state", x)  # nnx.Optimizer, flax's TrainState
+    is_state = lambda y: isinstance(y, LossScalingState)  # noqa: E731
+    return any(map(is_state, jax.tree.leaves(x, is_leaf=is_state)))
+  where = [f"argument {i + 2}" for i, a in enumerate(args) if holds_state(a)]
+  where += [f"`{k}=`" for k, v in kwargs.items() if holds_state(v)]
+  return where[0] if where else None
 
 
 def _value_and_grads(result: Any, value_and_grad: Callable) -> tuple[_Value, Any]:

@@ -53,6 +53,17 @@ def test_a_loss_scale_object_instead_of_the_optimizer_state_is_refused():
     jls.scaled_value_and_grad(loss_fn)(jls.DynamicLossScale(), PARAMS, jnp.ones(3))
 
 
+@pytest.mark.parametrize("call, where", [
+    (lambda f, s: f(PARAMS, jnp.ones(3), s), "argument 3"),
+    (lambda f, s: f(PARAMS, jnp.ones(3), state=s), "`state=`"),
+    (lambda f, s: f(PARAMS, type("Holder", (), {"opt_state": s})()), "argument 2")])
+def test_an_optimizer_state_passed_after_the_loss_arguments_is_refused_saying_where(call, where):
+  state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(TypeError, match=rf"takes the optimizer state first.*as {where} and a "
+                     "dict first"):
+    call(jls.scaled_value_and_grad(lambda p, x, state=None: loss_fn(p, x)), state)
+
+
 def test_the_scale_is_looked_up_wherever_the_state_is_held():
   # In an optax chain of one, or in an object holding the state (a flax TrainState).
   tx = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(2.0))
