@@ -243,6 +243,7 @@ class _Step:
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
+    _validation.update_keywords(extra_args)
     if params is not None:
       _validation.grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
@@ -321,13 +322,10 @@ def _narrow_finite(updates: Any, axis_name, params: Any = None, new_params: Any 
 def _optimizer_stepped(old: Any, new: Any) -> jax.Array:
   """Whether `inner` took an optimizer step: not for a micro-batch that
   `optax.MultiSteps` only accumulated (its `gradient_step` did not advance)."""
-  def multisteps(tree):
-    is_state = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
-  before, after = multisteps(old), multisteps(new)
-  if not before:
-    return jnp.array(True)
-  return after[0].gradient_step != before[0].gradient_step
+  is_state = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+  before, after = ([x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+                   for tree in (old, new))
+  return after[0].gradient_step != before[0].gradient_step if before else jnp.array(True)
 
 
 def next_state(state: LossScalingState, decision: _decide.Decision, inner_state: Any,

@@ -12,6 +12,7 @@ booleans are not numbers here.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import numbers
 import re
@@ -308,3 +309,12 @@ def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"`initial_loss_scale` must be <= `max_loss_scale` ({high!r}), got "
                      f"{config['initial_loss_scale']!r}.")
   return checked
+
+
+def update_keywords(extra_args: dict) -> None:
+  """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it."""
+  for key in extra_args:
+    near = difflib.get_close_matches(key.lower(), ("loss", "probes"), n=1, cutoff=0.8)
+    if near:
+      raise TypeError(f"loss_scaling's update got `{key}=`: did you mean `{near[0]}=`? Other "
+                      "keyword arguments go to the inner optimizer, which ignores unknown ones.")

@@ -802,6 +802,19 @@ def test_extra_args_are_passed_to_the_inner_transformation():
   assert seen == {"temperature": 0.5}
 
 
+@FUSED
+@pytest.mark.parametrize("keyword, meant", [("los", "loss"), ("losses", "loss"),
+                                            ("Loss", "loss"), ("probe", "probes")])
+def test_a_misspelt_loss_or_probes_keyword_is_refused_not_passed_on(fused, keyword, meant):
+  # optax's inner transformations ignore keywords they do not take: a NaN loss passed
+  # as `los=` would skip the step as an overflow, and back the scale off.
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  step = tx.apply_gradients if fused else tx.update
+  with pytest.raises(TypeError, match=rf"got `{keyword}=`: did you mean `{meant}=`\?"):
+    step({"w": jnp.ones(2)}, tx.init(params), params, **{keyword: jnp.nan})
+
+
 # --- dtypes and tree shapes --------------------------------------------------------
 
 
