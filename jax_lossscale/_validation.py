@@ -203,11 +203,16 @@ def state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
   """A state array given to a constructor, checked against `[low, high]` when concrete.
 
   Traced and abstract values (under `jit`, `jax.eval_shape`) pass unchecked; integer
-  state must hold whole numbers. Returns `value` in `dtype`.
+  state must hold whole numbers; booleans, strings and lists are refused. Returns
+  `value` in `dtype`.
   """
-  values = concrete_values(value)
-  if values is None:
+  if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)):
     return value
+  values = concrete_values(value)
+  if values is None or not (np.issubdtype(values.dtype, np.integer)
+                            or np.issubdtype(values.dtype, np.floating)):
+    raise ValueError(f"`{name}` must be a real number or an array of them, got "
+                     f"{_describe(value)}.")
   ok = np.isfinite(values) & (values >= low) & (values <= high)
   if np.issubdtype(dtype, np.integer):
     ok &= np.round(values) == values

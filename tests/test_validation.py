@@ -113,7 +113,11 @@ def test_update_loss_scale_takes_python_numpy_and_jax_booleans(flag):
      ({"current_loss_scale": float("inf")}, "current_loss_scale"),
      ({"num_good_steps": -1}, "num_good_steps"),
      ({"num_good_steps": 2000}, "num_good_steps"),
-     ({"hysteresis_left": 5}, "hysteresis_left")],
+     ({"hysteresis_left": 5}, "hysteresis_left"),
+     ({"current_loss_scale": "x"}, "current_loss_scale"),
+     ({"current_loss_scale": True}, "current_loss_scale"),  # not 1.0
+     ({"current_loss_scale": [1.0, 2.0]}, "current_loss_scale"),  # not a second leaf
+     ({"num_good_steps": np.array([True, False])}, "num_good_steps")],
 )
 def test_state_given_to_the_constructor_is_checked(state, name):
   with pytest.raises(ValueError, match=f"`{name}`"):
