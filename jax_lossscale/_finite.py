@@ -137,6 +137,12 @@ def largest_magnitudes(tree: Any) -> list[tuple[jnp.dtype, jax.Array]]:
   return list(zip(dtypes, _largest_magnitudes(leaves), strict=True)) if dtypes else []
 
 
+def largest_of(largest: list[tuple[jnp.dtype, jax.Array]]) -> jax.Array:
+  """The largest of `largest_magnitudes`' values, as a float32 scalar; 0 for none."""
+  values = [m.astype(jnp.float32) for _, m in largest]
+  return jnp.max(jnp.stack(values)) if values else jnp.zeros([], jnp.float32)
+
+
 def finite_after(largest: list[tuple[jnp.dtype, jax.Array]],
                  rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
   """Whether every leaf behind `largest` stays finite once rescaled.

@@ -123,15 +123,14 @@ class LossScale(abc.ABC):
 
     Multiplies by the reciprocal, as TensorFlow and PyTorch do: exact for every power of
     two (all that `DynamicLossScale` reaches with its default factors), one more rounding
-    otherwise, and right for scales up to the largest float32. Computed in float32
-    (float64 for float64 leaves) and cast back. Other leaves pass through.
+    otherwise (a float32 reciprocal, also for float64 leaves), and right for scales up to
+    the largest float32. Computed in float32 (float64 for float64 leaves) and cast back.
+    Other leaves pass through.
     """
     return _trees.rescale_floats(tree, self._unscaling())
 
   def update(self: _T, grads: Any, axis_name: _finite.AxisName = None) -> tuple[_T, jax.Array]:
-    """Updates the loss scale from the unscaled gradients of one step.
-
-    Pure and jittable, with no host synchronisation.
+    """Updates the loss scale from one step's unscaled gradients (pure, jittable).
 
     Args:
       grads: the gradients, already divided by the loss scale. `None` leaves and
@@ -148,14 +147,12 @@ class LossScale(abc.ABC):
     finite = _finite.agree([_finite.finite_after(largest)], axis_name)[0]
     measured = None
     if self._measures:  # the scaled gradients' largest magnitude, as a step measures it
-      unscaled = [m.astype(jnp.float32) for _, m in largest] or [jnp.zeros([], jnp.float32)]
-      measured = _finite.agree_max(jnp.max(jnp.stack(unscaled)), axis_name) * self()
+      measured = _finite.agree_max(_finite.largest_of(largest), axis_name) * self()
     return self._next(finite, measured), self._applies(finite)
 
   def _applies(self, finite: jax.Array) -> jax.Array:
     """`update`'s `should_apply` (TensorFlow: a fixed scale always applies)."""
-    del finite
-    return jnp.array(True)
+    return jnp.ones_like(finite)
 
   def _scaling(self) -> _numerics.Rescale:
     return _numerics.Rescale((self(),))
@@ -329,14 +326,12 @@ class DynamicLossScale(LossScale):
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     left = jnp.asarray(self.hysteresis_left, jnp.int32)
-
     grow = finite & (good + 1 >= self.increment_period)
     grown = self._times(scale, self.multiplier)
     if self.max_loss_scale is None:
       grown = _numerics.grow(scale, grown)
     else:
       grown = jnp.minimum(grown, np.float32(self.max_loss_scale))
-
     left_after_overflow = jnp.maximum(left - 1, 0)
     shrink = ~finite & (left_after_overflow == 0)
     if self.backoff_factor is None:
@@ -344,7 +339,6 @@ class DynamicLossScale(LossScale):
     else:
       shrunk = self._times(scale, self.backoff_factor)
     shrunk = jnp.maximum(shrunk, np.float32(self.min_loss_scale))
-
     refill = grow | finite if self.consecutive_hysteresis else grow
     return with_state(
         self,

@@ -10,6 +10,7 @@ gradients are finite.
 from __future__ import annotations
 
 from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,8 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
         "num_good_steps": (0, np.int32, 0, checked["incr_every_n_steps"] - 1),
         "num_bad_steps": (0, np.int32, 0, checked["decr_every_n_nan_or_inf"] - 1)})
 
+  min_loss_scale: ClassVar[float] = 1.0  # contrib's floor, `max(scale * decr_ratio, 1)`
+
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
@@ -128,7 +131,7 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
     increase = finite & (good + 1 >= self.incr_every_n_steps)
     decrease = ~finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
     grown = _numerics.grow(scale, scale * np.float32(self.incr_ratio))
-    shrunk = jnp.maximum(scale * np.float32(self.decr_ratio), np.float32(1))
+    shrunk = jnp.maximum(scale * np.float32(self.decr_ratio), np.float32(self.min_loss_scale))
     changed = increase | decrease
     return with_state(
         self,

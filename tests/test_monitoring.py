@@ -141,6 +141,17 @@ def test_raise_if_stuck_fails_fast_with_a_clear_message():
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
+def test_raise_if_stuck_knows_the_floor_of_every_scale_that_backs_off():
+  # contrib's manager has no `min_loss_scale` argument: its floor is 1.
+  manager = jls.ExponentialUpdateLossScaleManager(4.0, 10, 1, 2.0, 0.5)
+  tx = jls.loss_scaling(optax.sgd(0.1), manager)
+  state = steps(tx, [(BAD, None)] * 5)
+  assert float(state.loss_scale()) == 1.0
+  with pytest.raises(jls.LossScaleStuckError,
+                     match=r"at its minimum 1\. Likely cause: the unscaled gradients are inf"):
+    jls.raise_if_stuck(state, max_consecutive_skips=5)
+
+
 def test_raise_if_stuck_blames_the_current_streak_not_the_running_totals():
   # 5 steps with a NaN loss, a clean step, then 5 overflows: the loss is not to blame.
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20))
