@@ -64,6 +64,12 @@ def test_train_state_takes_the_loss_and_fuses_the_step():
   assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
 
 
+@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.chain(jls.loss_scaling(optax.sgd(1.0)))])
+def test_a_tx_without_loss_scaling_outermost_is_refused_when_the_state_is_created(tx):
+  with pytest.raises(TypeError, match="`tx` must be a jax_lossscale.loss_scaling transformation"):
+    make_state(tx=tx)
+
+
 def test_step_counts_calls_as_flax_does_and_the_schedule_count_is_kept():
   tx = jls.loss_scaling(optax.adam(optax.linear_schedule(1e-2, 0.0, 10)))
   state, _ = step(make_state(tx=tx), X, Y)
