@@ -113,9 +113,12 @@ def _warn_if_not_floating(value: Any, argument: str) -> None:
 
 def _product_type(value: Any) -> Any:
   """What jmp's products with the scale `value` take their dtype from: a Python number
-  or a weakly typed array is weak (`float`: float16 leaves stay float16), else its
-  (canonical) dtype."""
-  if type(value) in (int, float) or getattr(value, "weak_type", False):
+  or a weakly typed array is weak (`int` or `float`: float16 leaves stay float16), else
+  its (canonical) dtype. (Unscaling multiplies by `1 / value`, a `float` for an `int`.)"""
+  if type(value) is int or (getattr(value, "weak_type", False)
+                            and jnp.issubdtype(value.dtype, jnp.integer)):
+    return int  # integer leaves stay integers: jmp multiplies them by an int
+  if type(value) is float or getattr(value, "weak_type", False):
     return float
   return jax.dtypes.canonicalize_dtype(getattr(value, "dtype", np.float32))
 
@@ -176,7 +179,10 @@ class StaticLossScale:
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    return _multiply(tree, 1 / self.loss_scale, self._product_type)
+    kind = self._product_type  # that of `1 / scale`: a float for an integer scale
+    if kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer)):
+      kind = float if kind is int else jnp.result_type(kind, float)
+    return _multiply(tree, 1 / self.loss_scale, kind)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
     del grads_finite

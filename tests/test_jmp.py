@@ -244,8 +244,10 @@ def test_half_dtype_makes_a_half_precision_scalar_as_jmps():
 GIVEN = {"python-int": lambda: 2**15, "python-float": lambda: 2.0**15,
          "float16": lambda: jnp.float16(2**15), "weak-float32": lambda: jnp.asarray(2.0**15),
          "float32": lambda: jnp.float32(2**15), "np.float16": lambda: np.float16(2**15),
-         "np.float64": lambda: np.float64(2**15)}
-HALF_AND_FULL = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32)}
+         "np.float64": lambda: np.float64(2**15), "weak-int32": lambda: jnp.asarray(2**15),
+         "int32": lambda: jnp.int32(2**15), "np.int32": lambda: np.int32(2**15)}
+HALF_AND_FULL = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32),
+                 "i": jnp.arange(3)}  # an integer leaf: jmp keeps it integer times an int
 
 
 def assert_scaled_alike(ours, theirs):
@@ -263,7 +265,8 @@ def test_a_static_scale_returns_jmps_dtypes(given):
     warnings.simplefilter("ignore")  # jmp's warning for an integer scale
     ours, theirs = jmp.StaticLossScale(given()), real_jmp.StaticLossScale(given())
   assert_scaled_alike(ours, theirs)
-  if theirs.scale(HALF_AND_FULL)["h"].dtype == jnp.float16:  # jmp's loop works, so must ours
+  if all(getattr(theirs, m)(HALF_AND_FULL)["h"].dtype == jnp.float16  # jmp's loop works,
+         for m in ("scale", "unscale")):  # so must ours
     step = lambda _, p: ours.unscale(jax.grad(lambda p: ours.scale(jnp.sum(p * p)))(p))
     assert jax.lax.fori_loop(0, 2, step, HALF_AND_FULL["h"]).dtype == jnp.float16
 
