@@ -8,6 +8,7 @@ wrong composition shows is the path that leads to it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -124,11 +125,27 @@ def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
       batch_stats = jls.if_applied(opt_state, new_batch_stats, batch_stats)
   """
   applied = find_state(opt_state).last_applied
+  if _shares_variables(new, old):
+    raise ValueError(
+        "if_applied: `old` holds the very nnx.Variable objects of `new`, so it already has "
+        "the new values and a skipped step's would be lost: nnx.state gives the live "
+        "variables. Copy them before the forward pass: stats = jax.tree.map(lambda s: s, "
+        "nnx.state(model, nnx.BatchStat)).")
   try:
     return _trees.select_tree(applied, new, old)
   except (TypeError, ValueError) as error:  # the structure, a shape or a dtype differs
     raise type(error)(f"if_applied: `new` and `old` must have the same structure, shapes "
                       f"and dtypes: {error}") from None
+
+
+def _shares_variables(new: Any, old: Any) -> bool:
+  """Whether `old` holds one of `new`'s mutable `nnx.Variable`s (if flax NNX is in use)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return False
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  olds = {id(x) for x in jax.tree.leaves(old, is_leaf=is_variable) if is_variable(x)}
+  return any(id(x) in olds for x in jax.tree.leaves(new, is_leaf=is_variable) if is_variable(x))
 
 
 class LossScaleStuckError(RuntimeError):

@@ -65,6 +65,25 @@ def test_flax_nnx_batchnorm_statistics_follow_the_step_decision():
   assert not np.array_equal(jax.tree.leaves(after)[0], jax.tree.leaves(before)[0])
 
 
+def test_flax_nnx_statistics_not_copied_before_the_forward_pass_are_refused():
+  # nnx.state gives the live variables: without README's copy, `old` already holds the
+  # forward pass's values, and a NaN batch would leave NaN in them on a skipped step.
+  model = NnxModel(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(model, jls.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)
+
+  @nnx.jit
+  def forgetful_step(model, optimizer, x, y):
+    stats = nnx.state(model, nnx.BatchStat)  # no copy
+    grad_fn = jls.scaled_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2),
+                                        value_and_grad=nnx.value_and_grad)
+    loss, grads = grad_fn(optimizer.opt_state, model)
+    optimizer.update(model, grads, loss=loss)
+    nnx.update(model, jls.if_applied(optimizer, nnx.state(model, nnx.BatchStat), stats))
+
+  with pytest.raises(ValueError, match="very nnx.Variable objects of `new`.*Copy them"):
+    forgetful_step(model, optimizer, X.at[0, 0].set(jnp.nan), Y)
+
+
 def test_flax_nnx_optimizer_step_counts_calls_and_the_schedule_count_is_kept():
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   tx = jls.loss_scaling(optax.adam(optax.linear_schedule(1e-2, 0.0, 10)))
