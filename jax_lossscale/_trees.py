@@ -142,12 +142,14 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
   Raises:
     ValueError: if `pred` is not a scalar.
-    TypeError: if two array leaves differ in dtype or shape.
+    TypeError: if `pred` is not a boolean, or two array leaves differ in dtype or shape.
   """
   pred = jnp.asarray(pred)
   if pred.shape != ():
     raise ValueError(f"select_tree: `pred` must be a scalar, got shape {pred.shape}.")
-  pred = pred.astype(jnp.bool_)
+  if pred.dtype != jnp.bool_:
+    raise TypeError(f"select_tree: `pred` must be a boolean, got {pred.dtype} (a 0.5 would "
+                    "count as True).")
 
   def select(a, b):
     if isinstance(a, numbers.Number) or isinstance(b, numbers.Number):

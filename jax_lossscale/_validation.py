@@ -85,9 +85,11 @@ def real(name: str, value: Any) -> float:
 
 
 def positive(name: str, value: Any) -> float:
+  """A positive real number that float32 holds as one (neither inf nor 0)."""
   number = real(name, value)
-  if number <= 0:
-    raise ValueError(f"`{name}` must be positive, got {value!r}.")
+  if number <= 0 or number > FLOAT32_MAX or np.float32(number) == 0:
+    raise ValueError(f"`{name}` must be positive and finite in float32 (at most about "
+                     f"3.4e38), got {value!r}.")
   return number
 
 

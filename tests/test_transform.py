@@ -644,7 +644,8 @@ def test_clip_by_global_norm_under_vmap_clips_and_skips_per_member():
   assert list(np.asarray(states.skipped_steps)) == [0, 0, 1]
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1", jnp.ones(2)])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "1", jnp.ones(2),
+                                 1e39, 1e-50])  # inf and 0 in float32
 def test_clip_by_global_norm_rejects_a_bad_value(bad):
   with pytest.raises(ValueError, match="clip_by_global_norm"):
     jls.loss_scaling(optax.sgd(0.1), clip_by_global_norm=bad)
