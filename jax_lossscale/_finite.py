@@ -166,24 +166,22 @@ def finite(tree: Any, rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
 
 def manual_axes(value: Any) -> tuple[Hashable, ...]:
   """The replica axes in scope where `value` was computed: the manual mesh axes
-  (`shard_map`, `pmap`), then the named axes of an enclosing `vmap(..., axis_name=)`,
-  the one-device stand-in for `pmap`."""
+  (`shard_map`, `pmap`); outside any mesh, the named axes of an enclosing
+  `vmap(..., axis_name=)`, pmap's one-device stand-in."""
   mesh = getattr(jax.typeof(value).sharding, "mesh", None)
-  if mesh is None:
-    return _named_vmap_axes(())
+  if mesh is None or not mesh.axis_names:
+    return _named_vmap_axes()
   manual = jax.sharding.AxisType.Manual
-  axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
-  return axes + _named_vmap_axes(mesh.axis_names)
+  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
 
 
-def _named_vmap_axes(mesh_axes: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
-  """Named axes in scope that are not mesh axes: those of `vmap(..., axis_name=)`.
+def _named_vmap_axes() -> tuple[Hashable, ...]:
+  """The named axes in scope (outside a mesh: those of `vmap(..., axis_name=)`).
 
   JAX lists them only privately, the one private API used here; a JAX without it gives
   none (`tests/test_finite.py` checks the installed JAX).
   """
-  names = () if _axis_names_in_scope is None else _axis_names_in_scope()
-  return tuple(n for n in names if n not in mesh_axes)
+  return () if _axis_names_in_scope is None else tuple(_axis_names_in_scope())
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
@@ -195,14 +193,15 @@ def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
 def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
   """Each boolean flag, true only where it holds on every device.
 
-  The devices are those of `axis_name` if given, else of every replica axis in scope
-  (`manual_axes`: of `shard_map`, `pmap` or a named `vmap`): a replicated state then
-  stays replicated, whatever varies between replicas. One collective for all the flags
-  (a `psum` of an int32 vector); outside them the flags are returned unchanged.
+  The devices are those of `axis_name` if given (`()`: none, each keeps its own), else
+  of every replica axis in scope (`manual_axes`: of `shard_map`, `pmap` or, outside a
+  mesh, a named `vmap`): a replicated state then stays replicated, whatever varies
+  between replicas. One collective for all the flags (a `psum` of an int32 vector);
+  without axes the flags are returned unchanged.
   """
   if not flags:
     return []
-  axes = axis_tuple(axis_name) or manual_axes(flags[0])
+  axes = manual_axes(flags[0]) if axis_name is None else axis_tuple(axis_name)
   if not axes:
     return list(flags)
   failures = jnp.stack([jnp.logical_not(f) for f in flags]).astype(jnp.int32)
@@ -224,7 +223,7 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
 
 def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:
   """`value`'s maximum over the devices `agree` agrees over (one `pmax`)."""
-  axes = axis_tuple(axis_name) or manual_axes(value)
+  axes = manual_axes(value) if axis_name is None else axis_tuple(axis_name)
   return jax.lax.pmax(value, axes) if axes else value
 
 
@@ -238,10 +237,10 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
 
   Args:
     tree: any pytree, typically gradients.
-    axis_name: inside `shard_map` or `pmap`, the mapped axis name (or names) across
-      which the answer is agreed; by default every `shard_map`, `pmap` and named `vmap`
-      axis in scope, so every replica gets the same answer (one collective on one
-      scalar).
+    axis_name: the mapped axis name (or names) across which the answer is agreed,
+      `()` for none; by default every `shard_map` and `pmap` axis in scope (outside a
+      mesh, every named `vmap` axis), so every replica gets the same answer (one
+      collective on one scalar).
 
   Returns:
     A boolean scalar array.

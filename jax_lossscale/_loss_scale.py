@@ -135,9 +135,8 @@ class LossScale(abc.ABC):
     Args:
       grads: the gradients, already divided by the loss scale. `None` leaves and
         non-floating leaves are ignored.
-      axis_name: inside `shard_map`/`pmap`, the mapped axis name(s) over which the
-        finiteness of `grads` is agreed; by default every `shard_map`, `pmap` and named
-        `vmap` axis in scope.
+      axis_name: the mapped axis name(s) over which the finiteness of `grads` is
+        agreed, `()` for none; by default as `loss_scaling`'s.
 
     Returns:
       `(new_loss_scale, should_apply)`, where `should_apply` is a boolean scalar array:

@@ -146,9 +146,10 @@ def loss_scaling(
       `FixedLossScale`, `"dynamic"` (the default: `DynamicLossScale()`), or a dict from
       `serialize`.
     axis_name: for `shard_map`/`pmap` steps: the mapped axis name (or names) over which
-      every decision is agreed. By default every `shard_map`, `pmap` and named `vmap`
-      axis in scope, so replicas never disagree; give it to restrict the agreement to
-      some axes.
+      every decision is agreed. By default every `shard_map` and `pmap` axis in scope
+      (outside a mesh, every named `vmap` axis), so replicas never disagree; give it to
+      restrict the agreement to some axes, `()` for none (independent models under a
+      named `vmap`).
     clip_by_global_norm: for models trained with gradient clipping: a positive
       `max_norm` to clip the unscaled gradients to, as `optax.clip_by_global_norm`
       first in `inner` would (to float rounding), but cheaper: the norm's one reduction

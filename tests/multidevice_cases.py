@@ -314,3 +314,29 @@ def test_raise_if_stuck_reads_a_pmapped_state():
     params, state = step({"w": jnp.full((8, 4), jnp.inf)}, state, params)
   with pytest.raises(jls.LossScaleStuckError, match="the last 3 steps were all skipped"):
     jls.raise_if_stuck(state, max_consecutive_skips=2)
+
+
+def test_a_named_vmap_inside_or_around_shard_map_agrees_over_the_devices_only(mesh):
+  # Inside a mesh the replicas are its devices: a named vmap there (an ensemble per
+  # device) keeps its members apart, as before named vmaps agreed outside meshes.
+  g = jnp.ones((8, 2)).at[:, 0].set(jnp.nan)  # member 0 of every device's pair is bad
+  g = jax.device_put(g, NamedSharding(mesh, P("data")))
+  inside = jax.jit(jax.shard_map(
+      lambda x: jax.vmap(jls.all_finite, axis_name="ens")(x[0])[None], mesh=mesh,
+      in_specs=P("data"), out_specs=P("data")))(g)
+  assert np.asarray(inside).tolist() == [[False, True]] * 8
+  rows = jnp.ones((3, 8)).at[1, 5].set(jnp.inf)
+  rows = jax.device_put(rows, NamedSharding(mesh, P(None, "data")))
+  around = jax.vmap(jax.shard_map(lambda x: jls.all_finite(x)[None], mesh=mesh,
+                                  in_specs=P("data"), out_specs=P("data")), axis_name="ens")
+  assert np.asarray(around(rows)).tolist() == [[True] * 8, [False] * 8, [True] * 8]
+
+
+def test_a_named_vmap_over_arrays_sharded_by_an_explicit_mesh_keeps_its_members_apart():
+  # The mesh's devices are the replicas there; agreeing over the vmap too would need a
+  # collective over a sharded axis.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(jnp.ones((8, 4)).at[1, 0].set(jnp.nan), P("data"))
+    flags = jax.jit(jax.vmap(jls.all_finite, axis_name="b"))(xs)
+  assert np.asarray(flags).tolist() == [True, False] + [True] * 6

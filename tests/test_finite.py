@@ -207,6 +207,13 @@ def test_under_a_named_vmap_every_replica_gets_the_same_answer_as_under_pmap():
   assert nested({"g": jnp.array([[1.0, 2.0], [3.0, jnp.inf]])}).tolist() == [[False] * 2] * 2
 
 
+@pytest.mark.parametrize("none", [(), []])
+def test_an_empty_axis_name_agrees_over_no_axis(none):
+  trees = {"g": jnp.array([[1.0, 2.0], [jnp.nan, 1.0], [3.0, 4.0]])}
+  flags = jax.vmap(lambda t: jls.all_finite(t, axis_name=none), axis_name="b")(trees)
+  assert flags.tolist() == [True, False, True]
+
+
 def test_the_installed_jax_lists_named_vmap_axes_in_scope():
   # The one private JAX API the library uses: if a newer JAX drops or changes it, this
   # fails, and named vmap replicas would no longer agree by default.

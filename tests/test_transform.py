@@ -919,6 +919,21 @@ def test_under_a_named_vmap_replicas_agree_as_under_pmap(fused):
   assert states.nonfinite_loss_steps.tolist() == [1] * 4
 
 
+def test_axis_name_empty_keeps_an_ensemble_under_a_named_vmap_independent():
+  # The vmap's axis named only to average metrics: member 1's overflow is its own.
+  tx = jls.loss_scaling(optax.sgd(1.0), axis_name=())
+  params = {"w": jnp.zeros((3, 2))}
+  grads = {"w": jnp.ones((3, 2)).at[1, 0].set(jnp.inf)}
+
+  def step(grads, state, params):
+    params, state = tx.apply_gradients(grads, state, params)
+    return params, state, jax.lax.pmean(state.loss_scale(), "ensemble")
+
+  _, states, _ = jax.vmap(step, axis_name="ensemble")(grads, jax.vmap(tx.init)(params), params)
+  assert states.skipped_steps.tolist() == [0, 1, 0]
+  assert states.loss_scale().tolist() == [2.0**15, 2.0**14, 2.0**15]
+
+
 @pytest.mark.parametrize("options, fused, branch_name", [
     ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default")])
 def test_donated_step_runs_without_any_host_transfer(options, fused, branch_name):
