@@ -41,13 +41,17 @@ class TrainState(train_state.TrainState):
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs) -> TrainState:
-    """flax's `create`, refusing a `tx` with no loss scaling: use flax's own for that."""
-    if not isinstance(tx, _transform.LossScalingTransformation):
+    """flax's `create`, refusing a `tx` without `loss_scaling` outermost (use flax's own
+    `TrainState` for an optimizer without loss scaling)."""
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    try:
+      _monitoring.find_state(state.opt_state)
+    except ValueError as error:
       raise TypeError(
-          "jax_lossscale.flax.TrainState: `tx` must be a jax_lossscale.loss_scaling "
-          f"transformation, such as loss_scaling(optax.adam(1e-3)), got {tx!r:.120}. For "
-          "an optimizer without loss scaling, use flax.training.train_state.TrainState.")
-    return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+          f"jax_lossscale.flax.TrainState: `tx` must be a jax_lossscale.loss_scaling "
+          f"transformation, such as loss_scaling(optax.adam(1e-3)): {error} For an optimizer "
+          "without loss scaling, use flax.training.train_state.TrainState.") from None
+    return state
 
   def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs) -> TrainState:
     """Applies one step of gradients of the scaled loss.

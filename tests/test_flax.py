@@ -64,10 +64,21 @@ def test_train_state_takes_the_loss_and_fuses_the_step():
   assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
 
 
-@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.chain(jls.loss_scaling(optax.sgd(1.0)))])
-def test_a_tx_without_loss_scaling_outermost_is_refused_when_the_state_is_created(tx):
-  with pytest.raises(TypeError, match="`tx` must be a jax_lossscale.loss_scaling transformation"):
+@pytest.mark.parametrize("tx, why", [
+    (optax.adam(1e-2), "found 0"),
+    (optax.chain(optax.scale(1.0), jls.loss_scaling(optax.sgd(1.0))), "not the outermost")])
+def test_a_tx_without_loss_scaling_outermost_is_refused_when_the_state_is_created(tx, why):
+  with pytest.raises(TypeError, match=f"`tx` must be a jax_lossscale.loss_scaling.*{why}"):
     make_state(tx=tx)
+
+
+def test_a_chain_of_one_loss_scaling_is_a_tx_like_any_other():
+  state = make_state(tx=optax.chain(jls.loss_scaling(optax.adam(1e-2))))
+  state, _ = step(state, X, Y)
+  before = state.params
+  state, _ = step(state, X * jnp.nan, Y)
+  chex.assert_trees_all_equal(state.params, before)
+  assert int(jls.metrics(state.opt_state)["skipped_steps"]) == 1
 
 
 def test_step_counts_calls_as_flax_does_and_the_schedule_count_is_kept():
