@@ -12,7 +12,6 @@ booleans are not numbers here.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import numbers
 import re
@@ -319,9 +318,22 @@ def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def update_keywords(extra_args: dict) -> None:
-  """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it."""
+  """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it.
+
+  Only a typo is refused (a case variant, a letter dropped or doubled, two swapped, and
+  `probe`), not a word an inner transformation may take (`losses`, `lost`, `probs`).
+  """
   for key in extra_args:
-    near = difflib.get_close_matches(key.lower(), ("loss", "probes"), n=1, cutoff=0.8)
-    if near:
-      raise TypeError(f"loss_scaling's update got `{key}=`: did you mean `{near[0]}=`? Other "
+    meant = next((word for word in ("loss", "probes") if key != word and (
+        key.lower() in _typos(word) or key.lower() == word)), None)
+    if meant:
+      raise TypeError(f"loss_scaling's update got `{key}=`: did you mean `{meant}=`? Other "
                       "keyword arguments go to the inner optimizer, which ignores unknown ones.")
+
+
+def _typos(word: str) -> set[str]:
+  """`word` with one letter dropped or doubled, or two neighbours swapped."""
+  cut = range(len(word))
+  return ({word[:i] + word[i + 1:] for i in cut} | {word[:i] + word[i] + word[i:] for i in cut}
+          | {word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in cut[:-1]}) - {
+              "probs", word}

@@ -803,9 +803,23 @@ def test_extra_args_are_passed_to_the_inner_transformation():
   assert seen == {"temperature": 0.5}
 
 
+@pytest.mark.parametrize("keyword", ["losses", "lost", "probs", "value"])
+def test_keywords_that_are_words_and_not_typos_of_loss_or_probes_reach_the_inner(keyword):
+  seen = {}
+
+  def update(updates, state, params=None, **extra_args):
+    seen.update(extra_args)
+    return updates, state
+
+  tx = jls.loss_scaling(optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
+                                                              update))
+  tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), **{keyword: 1.0})
+  assert seen == {keyword: 1.0}
+
+
 @FUSED
-@pytest.mark.parametrize("keyword, meant", [("los", "loss"), ("losses", "loss"),
-                                            ("Loss", "loss"), ("probe", "probes")])
+@pytest.mark.parametrize("keyword, meant", [("los", "loss"), ("losss", "loss"), ("Loss", "loss"),
+                                            ("lsos", "loss"), ("probe", "probes")])
 def test_a_misspelt_loss_or_probes_keyword_is_refused_not_passed_on(fused, keyword, meant):
   # optax's inner transformations ignore keywords they do not take: a NaN loss passed
   # as `los=` would skip the step as an overflow, and back the scale off.
