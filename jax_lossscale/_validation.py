@@ -210,13 +210,14 @@ def state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
   if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)):
     return value
   values = concrete_values(value)
-  if values is None or not (np.issubdtype(values.dtype, np.integer)
-                            or np.issubdtype(values.dtype, np.floating)):
+  if values is None or not (jnp.issubdtype(values.dtype, jnp.integer)
+                            or jnp.issubdtype(values.dtype, jnp.floating)):  # bfloat16 too
     raise ValueError(f"`{name}` must be a real number or an array of them, got "
                      f"{_describe(value)}.")
-  ok = np.isfinite(values) & (values >= low) & (values <= high)
+  wide = values.astype(np.float64)  # a float16 compared with float32's max overflows
+  ok = np.isfinite(wide) & (wide >= low) & (wide <= high)
   if np.issubdtype(dtype, np.integer):
-    ok &= np.round(values) == values
+    ok &= np.round(wide) == wide
     allowed = f"an integer in [{low}, {high}]"
   else:
     allowed = f"finite, within [{low!r}, {high!r}]"

@@ -124,6 +124,11 @@ def test_state_given_to_the_constructor_is_checked(state, name):
     jls.DynamicLossScale(**state)
 
 
+@pytest.mark.parametrize("value", [jnp.bfloat16(1024), jnp.float16(1024), np.int64(1024)])
+def test_state_of_any_real_dtype_is_accepted(value):
+  assert float(jls.DynamicLossScale(current_loss_scale=value)()) == 1024.0
+
+
 def test_deserialize_refuses_state_and_unknown_keys():
   # `deserialize` used to accept {"current_loss_scale": -3.0}.
   config = jls.serialize(jls.DynamicLossScale())
