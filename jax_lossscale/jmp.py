@@ -125,11 +125,22 @@ def _product_type(value: Any) -> Any:
 
 def _multiply(tree: T, factor: Any, product_type: Any = None) -> T:
   """Every leaf times `factor` (float32), in the dtype jmp's product with a scale of
-  `product_type` would have (None: the float32 product's)."""
+  `product_type` would have (None: the float32 product's). Integer leaves times an
+  integer scale are integer products, as jmp's (exact, wrapping on overflow)."""
   if product_type is None:
     return jax.tree_util.tree_map(lambda x: x * factor, tree)
-  return jax.tree_util.tree_map(
-      lambda x: (x * factor).astype(jnp.result_type(x, product_type)), tree)
+  integral = product_type is int or (product_type is not float
+                                     and jnp.issubdtype(product_type, jnp.integer))
+
+  def leaf(x):
+    target = jnp.result_type(x, product_type)
+    if jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      if integral and not isinstance(factor, jax.core.Tracer):
+        return x * (int(factor) if product_type is int else jnp.asarray(int(factor), target))
+      x = jnp.asarray(x).astype(target)  # as jmp: converted first (2**24 + 1 is inf in float16)
+    return (x * factor).astype(target)
+
+  return jax.tree_util.tree_map(leaf, tree)
 
 
 @_pytree()

@@ -247,7 +247,8 @@ GIVEN = {"python-int": lambda: 2**15, "python-float": lambda: 2.0**15,
          "np.float64": lambda: np.float64(2**15), "weak-int32": lambda: jnp.asarray(2**15),
          "int32": lambda: jnp.int32(2**15), "np.int32": lambda: np.int32(2**15)}
 HALF_AND_FULL = {"h": jnp.full(3, 0.5, jnp.float16), "f": jnp.full(3, 0.5, jnp.float32),
-                 "i": jnp.arange(3)}  # an integer leaf: jmp keeps it integer times an int
+                 # integer leaves: jmp keeps them integer times an int, exact and wrapping
+                 "i": jnp.array([2**24 + 1, 7, -3], jnp.int32), "i8": jnp.int8([3, -5])}
 
 
 def assert_scaled_alike(ours, theirs):
