@@ -175,7 +175,7 @@ def loss_scaling(
   max_norm = None
   if clip_by_global_norm is not None:
     max_norm = _validation.positive("clip_by_global_norm", clip_by_global_norm)
-  step = _Step(inner, initial, axis_name, max_norm)
+  step = _Step(inner, initial, _validation.axis_name(axis_name), max_norm)
   return LossScalingTransformation(step.init, step)
 
 

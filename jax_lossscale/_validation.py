@@ -15,6 +15,7 @@ import contextlib
 import math
 import numbers
 import re
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -338,3 +339,12 @@ def _typos(word: str) -> set[str]:
   return ({word[:i] + word[i + 1:] for i in cut} | {word[:i] + word[i] + word[i:] for i in cut}
           | {word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in cut[:-1]}) - {
               "probs", word}
+
+
+def axis_name(value: Any) -> Any:
+  """`axis_name`: None, a mapped axis name (hashable), or a tuple or list of them."""
+  names = value if isinstance(value, (tuple, list)) else () if value is None else (value,)
+  if not all(isinstance(name, Hashable) for name in names):
+    raise TypeError(f"`axis_name` must be an axis name (a string), or a tuple or list of "
+                    f"them, got {value!r}.")
+  return value

@@ -351,6 +351,12 @@ def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name():
     jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
+@pytest.mark.parametrize("bad", [[["data"]], {"data": 1}, ("data", ["model"])])
+def test_an_axis_name_that_is_not_names_is_refused_when_the_transformation_is_built(bad):
+  with pytest.raises(TypeError, match="`axis_name` must be an axis name"):
+    jls.loss_scaling(optax.sgd(0.1), axis_name=bad)
+
+
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), np.float32("nan"),
                                   jnp.array([1.0, jnp.nan])])
 def test_a_nonfinite_loss_of_any_kind_skips_the_step(loss, branch):
