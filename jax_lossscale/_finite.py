@@ -166,17 +166,18 @@ def finite(tree: Any, rescale: _numerics.Rescale = _IDENTITY) -> jax.Array:
 
 def manual_axes(value: Any) -> tuple[Hashable, ...]:
   """The replica axes in scope where `value` was computed: the manual mesh axes
-  (`shard_map`, `pmap`); outside any mesh, the named axes of an enclosing
-  `vmap(..., axis_name=)`, pmap's one-device stand-in."""
+  (`shard_map`, `pmap`); where no mesh axis is Manual or Explicit, the named axes of an
+  enclosing `vmap(..., axis_name=)`, pmap's one-device stand-in."""
   mesh = getattr(jax.typeof(value).sharding, "mesh", None)
-  if mesh is None or not mesh.axis_names:
+  types = () if mesh is None else mesh.axis_types
+  if all(t == jax.sharding.AxisType.Auto for t in types):
     return _named_vmap_axes()
   manual = jax.sharding.AxisType.Manual
-  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
+  return tuple(n for n, t in zip(mesh.axis_names, types, strict=True) if t == manual)
 
 
 def _named_vmap_axes() -> tuple[Hashable, ...]:
-  """The named axes in scope (outside a mesh: those of `vmap(..., axis_name=)`).
+  """The named axes in scope (with no Manual or Explicit mesh axis: `vmap`'s).
 
   JAX lists them only privately, the one private API used here; a JAX without it gives
   none (`tests/test_finite.py` checks the installed JAX).
@@ -194,10 +195,10 @@ def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Ar
   """Each boolean flag, true only where it holds on every device.
 
   The devices are those of `axis_name` if given (`()`: none, each keeps its own), else
-  of every replica axis in scope (`manual_axes`: of `shard_map`, `pmap` or, outside a
-  mesh, a named `vmap`): a replicated state then stays replicated, whatever varies
-  between replicas. One collective for all the flags (a `psum` of an int32 vector);
-  without axes the flags are returned unchanged.
+  of every replica axis in scope (`manual_axes`: of `shard_map`, `pmap` or, where no
+  mesh axis is Manual or Explicit, a named `vmap`): a replicated state then stays
+  replicated, whatever varies between replicas. One collective for all the flags (a
+  `psum` of an int32 vector); without axes the flags are returned unchanged.
   """
   if not flags:
     return []
@@ -214,11 +215,14 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
   axis of the `shard_map` or `pmap` the step runs in."""
   try:
     return op(x, axes)
-  except NameError as error:
+  except (NameError, AssertionError, ValueError) as error:
+    if axis_name is None and not isinstance(error, NameError):
+      raise
     raise ValueError(
         f"`axis_name` must name axes of the shard_map or pmap the step runs in, got "
-        f"{axis_name!r} ({error}). Under jit with sharded arrays, leave it out: the check "
-        "is already global.") from None
+        f"{axis_name!r} ({type(error).__name__}: {str(error)[:300]}). Under jit with sharded "
+        "arrays, leave it out: the check is already global. Inside shard_map, a vmap's "
+        "axis cannot be agreed over with check_vma on.") from None
 
 
 def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:
@@ -238,9 +242,9 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   Args:
     tree: any pytree, typically gradients.
     axis_name: the mapped axis name (or names) across which the answer is agreed,
-      `()` for none; by default every `shard_map` and `pmap` axis in scope (outside a
-      mesh, every named `vmap` axis), so every replica gets the same answer (one
-      collective on one scalar).
+      `()` for none; by default every `shard_map` and `pmap` axis in scope (where no
+      mesh axis is Manual or Explicit, every named `vmap` axis), so every replica gets
+      the same answer (one collective on one scalar).
 
   Returns:
     A boolean scalar array.

@@ -147,7 +147,7 @@ def loss_scaling(
       `serialize`.
     axis_name: for `shard_map`/`pmap` steps: the mapped axis name (or names) over which
       every decision is agreed. By default every `shard_map` and `pmap` axis in scope
-      (outside a mesh, every named `vmap` axis), so replicas never disagree; give it to
+      (with no such axis, every named `vmap` axis), so replicas never disagree; give it to
       restrict the agreement to some axes, `()` for none (independent models under a
       named `vmap`).
     clip_by_global_norm: for models trained with gradient clipping: a positive

@@ -281,7 +281,7 @@ def all_finite(tree: Any) -> jax.Array:
   drops it, float8 types work, and `None` or non-floating leaves are ignored (an empty
   tree is finite). As jmp's, each device of a `pmap` or `shard_map` answers for its own
   leaves (pmean the gradients first, as jmp's examples do, or use
-  `jax_lossscale.all_finite`, which agrees over every mapped axis).
+  `jax_lossscale.all_finite`, which agrees over the replicas in scope).
   """
   return _finite.finite(tree)
 

@@ -340,3 +340,11 @@ def test_a_named_vmap_over_arrays_sharded_by_an_explicit_mesh_keeps_its_members_
     xs = jax.device_put(jnp.ones((8, 4)).at[1, 0].set(jnp.nan), P("data"))
     flags = jax.jit(jax.vmap(jls.all_finite, axis_name="b"))(xs)
   assert np.asarray(flags).tolist() == [True, False] + [True] * 6
+
+
+def test_a_vmap_axis_named_inside_shard_map_with_check_vma_is_refused_naming_axis_name(mesh):
+  g = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P("data")))
+  per_device = lambda x: jax.vmap(lambda t: jls.all_finite(t, axis_name="v"),  # noqa: E731
+                                  axis_name="v")(x[0])[None]
+  with pytest.raises(ValueError, match="`axis_name` must name axes.*got 'v'"):
+    jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(g)

@@ -939,6 +939,22 @@ def test_under_a_named_vmap_replicas_agree_as_under_pmap(fused):
   assert states.nonfinite_loss_steps.tolist() == [1] * 4
 
 
+@pytest.mark.parametrize("axis_type, axis_name, skipped", [
+    ("Auto", None, [1] * 4),  # an Auto mesh in context changes nothing
+    ("Explicit", None, [0, 1, 0, 0]),  # the mesh's devices are the replicas there
+    ("Explicit", "batch", [1] * 4)])  # unless the vmap's axis is named
+def test_a_named_vmap_under_a_mesh_agrees_unless_the_mesh_is_explicit(axis_type, axis_name,
+                                                                      skipped):
+  tx = jls.loss_scaling(optax.sgd(1.0), axis_name=axis_name)
+  params = {"w": jnp.zeros((4, 2))}
+  grads = {"w": jnp.ones((4, 2)).at[1, 0].set(jnp.inf)}
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  with jax.set_mesh(mesh):
+    _, states = jax.jit(jax.vmap(tx.apply_gradients, axis_name="batch"))(
+        grads, jax.vmap(tx.init)(params), params)
+  assert states.skipped_steps.tolist() == skipped
+
+
 def test_axis_name_empty_keeps_an_ensemble_under_a_named_vmap_independent():
   # The vmap's axis named only to average metrics: member 1's overflow is its own.
   tx = jls.loss_scaling(optax.sgd(1.0), axis_name=())
