@@ -123,20 +123,18 @@ def _product_type(value: Any) -> Any:
   return jax.dtypes.canonicalize_dtype(getattr(value, "dtype", np.float32))
 
 
-def _multiply(tree: T, factor: Any, product_type: Any = None) -> T:
+def _multiply(tree: T, factor: Any, product_type: Any = None, exact: int | None = None) -> T:
   """Every leaf times `factor` (float32), in the dtype jmp's product with a scale of
-  `product_type` would have (None: the float32 product's). Integer leaves times an
-  integer scale are integer products, as jmp's (exact, wrapping on overflow)."""
+  `product_type` would have (None: the float32 product's). Integer leaves times a
+  concrete integer scale (`exact`) are integer products, as jmp's (wrapping on overflow)."""
   if product_type is None:
     return jax.tree_util.tree_map(lambda x: x * factor, tree)
-  integral = product_type is int or (product_type is not float
-                                     and jnp.issubdtype(product_type, jnp.integer))
 
   def leaf(x):
     target = jnp.result_type(x, product_type)
     if jnp.issubdtype(jnp.result_type(x), jnp.integer):
-      if integral and not isinstance(factor, jax.core.Tracer):
-        return x * (int(factor) if product_type is int else jnp.asarray(int(factor), target))
+      if exact is not None:
+        return x * (exact if product_type is int else jnp.asarray(exact, target))
       x = jnp.asarray(x).astype(target)  # as jmp: converted first (2**24 + 1 is inf in float16)
     return (x * factor).astype(target)
 
@@ -175,10 +173,15 @@ class StaticLossScale:
 
   loss_scale: jax.Array
   _product_type: Any = dataclasses.field(default=None, repr=False)  # see `_product_type`
+  _integer: int | None = dataclasses.field(default=None, repr=False)  # a concrete int scale
 
   def __post_init__(self):
     if self._product_type is None:
-      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
+      kind = _product_type(self.loss_scale)
+      object.__setattr__(self, "_product_type", kind)
+      if (kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer))) and not (
+          isinstance(self.loss_scale, jax.core.Tracer)):
+        object.__setattr__(self, "_integer", int(np.asarray(self.loss_scale)))
     scale = _float32(self.loss_scale)
     if not isinstance(scale, jax.core.Tracer):
       scale = np.float32(scale)  # hashable, as static data must be
@@ -186,7 +189,7 @@ class StaticLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the scale (each in jmp's dtype)."""
-    return _multiply(tree, self.loss_scale, self._product_type)
+    return _multiply(tree, self.loss_scale, self._product_type, self._integer)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""

@@ -272,6 +272,18 @@ def test_a_static_scale_returns_jmps_dtypes(given):
     assert jax.lax.fori_loop(0, 2, step, HALF_AND_FULL["h"]).dtype == jnp.float16
 
 
+@pytest.mark.parametrize("given", [lambda: 2**24 + 1, lambda: jnp.int32(2**24 + 1),
+                                   lambda: jnp.asarray(2**24 + 1)])
+def test_an_integer_scale_float32_cannot_hold_scales_integer_leaves_exactly(given):
+  leaves = {"i": jnp.int32([2**24 + 1, 7, -3]), "i8": jnp.int8([3, -5])}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
+    ours, theirs = jmp.StaticLossScale(given()), real_jmp.StaticLossScale(given())
+  got, want = ours.scale(leaves), theirs.scale(leaves)
+  assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
+  chex.assert_trees_all_equal(got, want)
+
+
 @pytest.mark.parametrize("given", ["python-float", "weak-float32", "float32", "np.float64"])
 def test_a_dynamic_scale_returns_float32_products_as_jmps_does_once_adjusted(given):
   # jmp's adjust promotes the scale with its float32 min_loss_scale; unscaled in
