@@ -69,13 +69,13 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
 def _measured(largest: list, probes: Any) -> jax.Array:
   """The largest gradient magnitude seen: of the parameter gradients, and of every probed
   activation gradient (its binade's top where a probe was hit several times)."""
-  values = [m.astype(jnp.float32) for _, m in largest]
   if probes is not None and not isinstance(probes, _probes.Probes):
     raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
                     f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
+  measured = _finite.largest_of(largest)
   if probes:
-    values.append(_probe_stats.largest_gradient(probes.encoded))
-  return jnp.max(jnp.stack(values)) if values else jnp.zeros([], jnp.float32)
+    measured = jnp.maximum(measured, _probe_stats.largest_gradient(probes.encoded))
+  return measured
 
 
 def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):
