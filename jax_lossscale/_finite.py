@@ -169,7 +169,9 @@ def manual_axes(value: Any) -> tuple[Hashable, ...]:
   (`shard_map`, `pmap`); where no mesh axis is Manual or Explicit, the named axes of an
   enclosing `vmap(..., axis_name=)`, pmap's one-device stand-in."""
   mesh = getattr(jax.typeof(value).sharding, "mesh", None)
-  types = () if mesh is None else mesh.axis_types
+  if mesh is None or not mesh.axis_names:  # a constant's type carries no mesh
+    mesh = jax.sharding.get_abstract_mesh()
+  types = mesh.axis_types
   if all(t == jax.sharding.AxisType.Auto for t in types):
     return _named_vmap_axes()
   manual = jax.sharding.AxisType.Manual
@@ -228,7 +230,7 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
 def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:
   """`value`'s maximum over the devices `agree` agrees over (one `pmax`)."""
   axes = manual_axes(value) if axis_name is None else axis_tuple(axis_name)
-  return jax.lax.pmax(value, axes) if axes else value
+  return collective(jax.lax.pmax, value, axes, axis_name) if axes else value
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:

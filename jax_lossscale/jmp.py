@@ -177,15 +177,23 @@ class StaticLossScale:
 
   def __post_init__(self):
     if self._product_type is None:
-      kind = _product_type(self.loss_scale)
-      object.__setattr__(self, "_product_type", kind)
-      if (kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer))) and not (
-          isinstance(self.loss_scale, jax.core.Tracer)):
-        object.__setattr__(self, "_integer", int(np.asarray(self.loss_scale)))
+      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
+    object.__setattr__(self, "_integer", self._exact_integer())
     scale = _float32(self.loss_scale)
     if not isinstance(scale, jax.core.Tracer):
       scale = np.float32(scale)  # hashable, as static data must be
     object.__setattr__(self, "loss_scale", scale)
+
+  def _exact_integer(self) -> int | None:
+    """The scale as an exact int, for an integer scale that is one concrete number (kept
+    through `dataclasses.replace` while the float32 scale still rounds to it)."""
+    kind, value = self._product_type, self.loss_scale
+    if not (kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer))) or (
+        isinstance(value, jax.core.Tracer) or np.ndim(value) != 0):
+      return None
+    if self._integer is not None and np.float32(self._integer) == np.float32(value):
+      return self._integer
+    return int(value) if float(value).is_integer() else None
 
   def scale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the scale (each in jmp's dtype)."""

@@ -330,6 +330,12 @@ def test_a_named_vmap_inside_or_around_shard_map_agrees_over_the_devices_only(me
   around = jax.vmap(jax.shard_map(lambda x: jls.all_finite(x)[None], mesh=mesh,
                                   in_specs=P("data"), out_specs=P("data")), axis_name="ens")
   assert np.asarray(around(rows)).tolist() == [[True] * 8, [False] * 8, [True] * 8]
+  # A tree with nothing to check gives a constant, whose type carries no mesh.
+  ints = jax.device_put(jnp.ones((8, 2), jnp.int32), NamedSharding(mesh, P("data")))
+  constant = jax.jit(jax.shard_map(
+      lambda x: jax.vmap(jls.all_finite, axis_name="ens")(x[0])[None], mesh=mesh,
+      in_specs=P("data"), out_specs=P("data")))(ints)
+  assert np.asarray(constant).tolist() == [[True, True]] * 8
 
 
 def test_a_named_vmap_over_arrays_sharded_by_an_explicit_mesh_keeps_its_members_apart():

@@ -5,6 +5,7 @@ jmp's test files ship inside the installed jmp package. They run here against
 cases they are (`LossScaleTest`, `PolicyTest`).
 """
 
+import dataclasses
 import importlib.util
 import pathlib
 import re
@@ -282,6 +283,19 @@ def test_an_integer_scale_float32_cannot_hold_scales_integer_leaves_exactly(give
   got, want = ours.scale(leaves), theirs.scale(leaves)
   assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want)
   chex.assert_trees_all_equal(got, want)
+
+
+def test_a_replaced_integer_scale_scales_by_the_new_value_and_a_vector_scale_broadcasts():
+  replaced = dataclasses.replace(jmp.StaticLossScale(2), loss_scale=4)
+  chex.assert_trees_all_equal(replaced.scale({"i": jnp.int32([1])}), {"i": jnp.int32([4])})
+  assert replaced == jmp.StaticLossScale(4)
+  kept = dataclasses.replace(jmp.StaticLossScale(2**24 + 1))  # float32 holds 2**24 only
+  chex.assert_trees_all_equal(kept.scale({"i": jnp.int32([1])}), {"i": jnp.int32([2**24 + 1])})
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
+    for scale in (np.array([2, 3]), jnp.array([2, 3])):
+      chex.assert_trees_all_equal(jmp.StaticLossScale(scale).scale({"f": jnp.ones(2)}),
+                                  real_jmp.StaticLossScale(scale).scale({"f": jnp.ones(2)}))
 
 
 @pytest.mark.parametrize("given", ["python-float", "weak-float32", "float32", "np.float64"])

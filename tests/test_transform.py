@@ -345,8 +345,9 @@ def test_the_state_of_another_loss_scaling_is_refused():
     jls.loss_scaling(optax.sgd(0.1), 8.0).update(PARAMS, state, PARAMS)
 
 
-def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name():
-  tx = jls.loss_scaling(optax.sgd(0.1), axis_name="data")
+@pytest.mark.parametrize("loss_scale", ["dynamic", jls.MeasuredLossScale()])
+def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name(loss_scale):
+  tx = jls.loss_scaling(optax.sgd(0.1), loss_scale, axis_name="data")
   with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map or pmap"):
     jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
