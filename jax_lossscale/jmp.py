@@ -123,6 +123,12 @@ def _product_type(value: Any) -> Any:
   return jax.dtypes.canonicalize_dtype(getattr(value, "dtype", np.float32))
 
 
+def _integral(product_type: Any) -> bool:
+  """Whether products with a scale of `product_type` (see `_product_type`) are integers."""
+  return product_type is int or (product_type is not float
+                                 and jnp.issubdtype(product_type, jnp.integer))
+
+
 def _multiply(tree: T, factor: Any, product_type: Any = None, exact: int | None = None) -> T:
   """Every leaf times `factor` (float32), in the dtype jmp's product with a scale of
   `product_type` would have (None: the float32 product's). Integer leaves times a
@@ -188,7 +194,7 @@ class StaticLossScale:
     """The scale as an exact int, for an integer scale that is one concrete number (kept
     through `dataclasses.replace` while the float32 scale still rounds to it)."""
     kind, value = self._product_type, self.loss_scale
-    if not (kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer))) or (
+    if not _integral(kind) or (
         isinstance(value, jax.core.Tracer) or np.ndim(value) != 0):
       return None
     if self._integer is not None and np.float32(self._integer) == np.float32(value):
@@ -202,7 +208,7 @@ class StaticLossScale:
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
     kind = self._product_type  # that of `1 / scale`: a float for an integer scale
-    if kind is int or (kind is not float and jnp.issubdtype(kind, jnp.integer)):
+    if _integral(kind):
       kind = float if kind is int else jnp.result_type(kind, float)
     return _multiply(tree, 1 / self.loss_scale, kind)
 
