@@ -77,22 +77,25 @@ def largest_gradient(encoded: Sequence[jax.Array]) -> jax.Array:
   """
   rows = jnp.concatenate([e[..., 1, :].reshape(-1, WIDTH) for e in encoded])
   hits = rows[:, VALUES:].sum(-1)
-  return jnp.max(jnp.where(hits == 1, rows[:, 0], 2 * _binade_bottom(hits, rows[:, VALUES:])))
+  return jnp.max(jnp.where(hits == 1, rows[:, 0], 2 * _binade_bottom(rows[:, VALUES:])))
 
 
 def _summarize(hits, values, binades) -> TensorSummary:
   mean = lambda total: jnp.where(hits > 0, total / jnp.maximum(hits, 1), 0.0)
-  return TensorSummary(jnp.where(hits == 1, values[..., 0], _binade_bottom(hits, binades)),
+  return TensorSummary(jnp.where(hits == 1, values[..., 0], _binade_bottom(binades)),
                        binades[..., NUM_BINADES - 1] == 0, mean(values[..., 1]),
                        mean(values[..., 2]))
 
 
-def _binade_bottom(hits, binades):
-  """The power of two at the bottom of the top binade hit: inf for inf, 0 for none."""
-  top = NUM_BINADES - 1 - jnp.argmax(binades[..., ::-1] > 0, axis=-1)
-  # Binade 0 holds zero and float32 subnormals, below anything float16 holds.
-  bottom = jnp.where(top == NUM_BINADES - 1, jnp.inf, jnp.ldexp(1.0, top - 127))
-  return jnp.where((hits > 0) & (top > 0), bottom, 0.0)
+def _binade_bottom(binades):
+  """The power of two at the bottom of the top binade hit: inf for inf, 0 for none.
+
+  The top binade's index is float32's biased exponent, so its bits shifted into place
+  are that power of two (255 gives inf; 0, zero and float32 subnormals, gives 0).
+  """
+  column = lax.broadcasted_iota(jnp.int32, binades.shape, binades.ndim - 1)
+  top = jnp.max(jnp.where(binades > 0, column, 0), axis=-1)
+  return lax.bitcast_convert_type(top << 23, jnp.float32)
 
 
 def values(t: jax.Array) -> jax.Array:

@@ -66,6 +66,21 @@ def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution
   assert summary.backward.max_abs == 256.0 and summary.headroom == 7
 
 
+@pytest.mark.parametrize("largest, bottom", [
+    (3.0, 2.0), (2.0**127 * 1.5, 2.0**127), (np.inf, np.inf), (0.0, 0.0),
+    (2.0**-130, 0.0)])  # a float32 subnormal sits in binade 0, below anything float16 holds
+def test_a_probe_hit_twice_reports_the_bottom_of_its_top_binade(largest, bottom):
+  def loss(w):
+    layer = lambda h: pr.probe(h * w, "shared")
+    return jnp.sum(layer(layer(jnp.ones(2))) * jnp.array([largest, 0.0], jnp.float32))
+  summary = diagnostics.summarize(with_probes(loss)(jnp.float32(1.0))[2])["shared"]
+  assert int(summary.hits) == 2 and float(summary.backward.max_abs) == bottom
+  assert bool(summary.backward.finite) == np.isfinite(largest)
+  bound = _probe_stats.largest_gradient(with_probes(loss)(jnp.float32(1.0))[2].encoded)
+  with np.errstate(over="ignore"):
+    assert float(bound) == float(np.float32(2 * bottom))  # 2**128 is inf in float32
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
   # The bit-pattern kernel (half the cost of float compares on CPU) changes no number.
