@@ -100,7 +100,12 @@ def _binade_bottom(binades):
 
 def values(t: jax.Array) -> jax.Array:
   """float32 `[VALUES]` of one tensor: its largest magnitude, its zero and subnormal
-  fractions, from one variadic reduction.
+  fractions, from one variadic reduction."""
+  return jnp.stack(_reduced(t))
+
+
+def _reduced(t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`values(t)`, unstacked.
 
   Read as bit patterns: the magnitude's bits are an integer that orders like the
   magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
@@ -114,21 +119,25 @@ def values(t: jax.Array) -> jax.Array:
   largest, zeros, subnormals = lax.reduce(bit_operands(t), _bit_init(t), combine,
                                           tuple(range(t.ndim)))
   fraction = lambda count: count.astype(jnp.float32) / max(t.size, 1)  # 0 of nothing
-  return jnp.stack([as_magnitude(largest, t.dtype).astype(jnp.float32), fraction(zeros),
-                    fraction(subnormals)])
+  return (as_magnitude(largest, t.dtype).astype(jnp.float32), fraction(zeros),
+          fraction(subnormals))
 
 
 @jax.jit  # traced once per shape, not once per probe
 def measurements(forward: jax.Array, g: jax.Array) -> jax.Array:
   """One hit's `Probes.encoded`, from the activation's `values` (taken on the way
   forward, so the activation itself is not kept for the backward pass) and its gradient
-  `g`, encoded by one small kernel over both rows (a kernel per row, or per column
-  chosen, adds to compile time)."""
-  rows = jnp.stack([forward, values(g)])
+  `g`, encoded by one small kernel over both rows, straight from the six figures (a
+  kernel per row, per column chosen, or to stack the rows first, adds to compile time)."""
+  backward = _reduced(g)
   column = lax.broadcasted_iota(jnp.int32, (2, WIDTH), 1)
-  binade = lax.bitcast_convert_type(rows[:, :1], jnp.int32) >> 23  # sign bit clear
+  forward_row = lax.broadcasted_iota(jnp.int32, (2, WIDTH), 0) == 0
+  figure = lambda i: jnp.where(forward_row, forward[i], backward[i])
+  largest = figure(0)
+  binade = lax.bitcast_convert_type(largest, jnp.int32) >> 23  # sign bit clear
   one_hot = (column - VALUES == binade).astype(jnp.float32)
-  return jnp.where(column < VALUES, jnp.pad(rows, ((0, 0), (0, WIDTH - VALUES))), one_hot)
+  return jnp.select([column == 0, column == 1, column == 2],
+                    [largest, figure(1), figure(2)], one_hot)
 
 
 forward_values = jax.jit(values)  # traced once per shape, not once per probe
