@@ -19,8 +19,8 @@ from jax_lossscale import _finite
 from jax_lossscale import _numerics
 from jax_lossscale import _probe_stats
 from jax_lossscale import _probes
+from jax_lossscale import _step_args
 from jax_lossscale import _trees
-from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
 
 
@@ -60,7 +60,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
     measured = _finite.agree_max(_measured(largest, probes), axis_name)
   flags = [grads_finite]
   if loss is not None:
-    flags.append(_finite.finite(_validation.loss(loss)))
+    flags.append(_finite.finite(_step_args.loss(loss)))
   flags = _finite.agree(flags, axis_name)
   return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling,
                   measured)
@@ -91,7 +91,7 @@ def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):
   short = [x for x in _trees.float_leaves(grads) if _numerics.has_short_range(x.dtype)]
   if short:
     finite &= _finite.finite(short, unscaling)
-  clip = jnp.where(norm < max_norm, 1, max_norm / norm).astype(jnp.float32)
+  clip = jnp.where(norm < max_norm, 1, max_norm / norm)  # float64 for float64 norms
   return finite, unscaling.times(clip)
 
 

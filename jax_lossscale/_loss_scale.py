@@ -53,7 +53,7 @@ def set_fields(loss_scale: Any, checked: dict[str, Any], state: dict[str, tuple]
     value = getattr(loss_scale, name)
     # NumPy, not jax: building a loss scale must not initialise a JAX backend.
     value = np.asarray(initial, dtype) if value is None else _validation.state_values(
-        name, value, dtype, low, high)
+        name, value, dtype, low, high, np.shape(initial))
     object.__setattr__(loss_scale, name, value)
 
 

@@ -19,6 +19,7 @@ from jax_lossscale import _decide
 from jax_lossscale import _emit
 from jax_lossscale import _finite
 from jax_lossscale import _serialization
+from jax_lossscale import _step_args
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
@@ -117,8 +118,8 @@ def loss_scaling(
 ) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
-  `update(grads, state, params=None, *, loss=None, **extra_args)` takes the gradients of
-  the **scaled** loss (computed with the state's loss scale, e.g. by
+  `update(updates, state, params=None, *, loss=None, **extra_args)` takes the gradients
+  of the **scaled** loss (computed with the state's loss scale, e.g. by
   `scaled_value_and_grad`). It checks once whether they are finite once divided by that
   scale, runs `inner` on the unscaled gradients (the division happens inside `inner`'s
   own pass) and updates the loss scale.
@@ -150,14 +151,13 @@ def loss_scaling(
       (with no such axis, every named `vmap` axis), so replicas never disagree; give it to
       restrict the agreement to some axes, `()` for none (independent models under a
       named `vmap`).
-    clip_by_global_norm: for models trained with gradient clipping: a positive
-      `max_norm` to clip the unscaled gradients to, as `optax.clip_by_global_norm`
+    clip_by_global_norm: for models trained with gradient clipping: the `max_norm`
+      (at least 2**-62) to clip the unscaled gradients to, as `optax.clip_by_global_norm`
       first in `inner` would (to float rounding), but cheaper: the norm's one reduction
-      is also the finiteness check, and the clip factor joins the unscaling
-      multiplication. A step whose finite gradients have a global norm beyond float32
-      (about 1.8e19 before unscaling) is skipped like an overflow. Inside `shard_map` or
-      `pmap` the norm is of this device's gradients, as optax's would be. Around
-      `optax.MultiSteps` it clips each micro-batch.
+      is also the check, and the clip factor joins the unscaling. A step whose finite
+      gradients have a norm beyond float32 (about 1.8e19 before unscaling) is skipped
+      like an overflow. Inside `shard_map` or `pmap` the norm is of this device's
+      gradients, as optax's would be. Around `optax.MultiSteps` it clips each micro-batch.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` are passed
@@ -172,10 +172,9 @@ def loss_scaling(
   if initial is None:
     raise ValueError("`loss_scale` must be a LossScale or an identifier such as 'dynamic', "
                      "got None.")
-  max_norm = None
-  if clip_by_global_norm is not None:
-    max_norm = _validation.positive("clip_by_global_norm", clip_by_global_norm)
-  step = _Step(inner, initial, _validation.axis_name(axis_name), max_norm)
+  max_norm = None if clip_by_global_norm is None else _validation.clip_norm(
+      clip_by_global_norm)
+  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm)
   return LossScalingTransformation(step.init, step)
 
 
@@ -196,10 +195,11 @@ def _check_inner(inner: Any) -> None:
 
 
 class _Step:
-  """`update(grads, state, params=None, *, loss=None, **extra_args)` of `loss_scaling`.
+  """`update(updates, state, params=None, *, loss=None, **extra_args)` of `loss_scaling`.
 
   Args:
-    grads: gradients of the **scaled** loss, computed with `state.loss_scale`.
+    updates: gradients of the **scaled** loss, computed with `state.loss_scale` (optax's
+      name for them).
     state: the `LossScalingState` returned by `init` or the previous `update`.
     params: the parameters, if `inner` needs them (a whole equinox module is fine).
     loss: optional, the unscaled loss of this step (any shape): a non-finite loss skips
@@ -219,22 +219,22 @@ class _Step:
 
   def init(self, params) -> LossScalingState:
     """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""
-    inner_state = self._inner.init(_trees.partition(params)[0])
+    return self.wrap_state(self._inner.init(_trees.partition(params)[0]))
+
+  def wrap_state(self, inner_state) -> LossScalingState:
     nested = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScalingState))
     if any(isinstance(x, LossScalingState) for x in nested):
       raise TypeError(
-          "loss_scaling: the inner optimizer already contains a loss_scaling transformation; "
+          "loss_scaling: the inner optimizer state already contains a loss_scaling state "
+          "(a loss_scaling inside the optimizer, or a LossScalingState given to wrap_state); "
           "wrapping it again would unscale the gradients twice.")
-    return self.wrap_state(inner_state)
-
-  def wrap_state(self, inner_state) -> LossScalingState:
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
         counts=jnp.zeros(len(COUNTS), jnp.int32), last_applied=jnp.ones([], jnp.bool_))
 
-  def __call__(self, grads, state, params=None, *, loss=None, probes=None, **extra_args):
-    return self._step(grads, state, params, loss, probes, extra_args, apply=False)
+  def __call__(self, updates, state, params=None, *, loss=None, probes=None, **extra_args):
+    return self._step(updates, state, params, loss, probes, extra_args, apply=False)
 
   def apply(self, grads, state, params, *, loss=None, probes=None, **extra_args):
     """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
@@ -244,9 +244,9 @@ class _Step:
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
-    _validation.update_keywords(extra_args)
+    _step_args.update_keywords(extra_args)
     if params is not None:
-      _validation.grads_like_params(grads, params)
+      _step_args.grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
     decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
                               probes)

@@ -1,5 +1,5 @@
-"""Checks of user-facing arguments: every error names the argument, the value and what is
-allowed.
+"""Checks of hyperparameters and state given to constructors (a step's own arguments are
+checked in `_step_args`): every error names the argument, the value and what is allowed.
 
 A loss scale keeps its scale in float32 and its counters in int32, so every number is
 checked as that dtype will see it: a value that is finite as a Python float but inf in
@@ -15,13 +15,11 @@ import contextlib
 import math
 import numbers
 import re
-from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jax_lossscale._numerics import FLOAT32_MAX
 from jax_lossscale._numerics import FLOAT32_TINY
@@ -90,6 +88,18 @@ def positive(name: str, value: Any) -> float:
   if number <= 0 or number > FLOAT32_MAX or np.float32(number) == 0:
     raise ValueError(f"`{name}` must be positive and finite in float32 (at most about "
                      f"3.4e38), got {value!r}.")
+  return number
+
+
+def clip_norm(value: Any) -> float:
+  """`clip_by_global_norm`: positive, and large enough that its clip factor stays normal in
+  float32 for every norm float32 holds (below 2**64, where the squares overflow)."""
+  number = positive("clip_by_global_norm", value)
+  if number < 2.0**-62:
+    raise ValueError(
+        f"`clip_by_global_norm` must be at least 2**-62 (about 2.2e-19), got {value!r}: the "
+        "clip factor of a large norm would be a float32 subnormal, flushed to 0, and the "
+        "clipped gradients with it.")
   return number
 
 
@@ -201,8 +211,10 @@ def concrete_values(value: Any) -> np.ndarray | None:
   return np.asarray(value)
 
 
-def state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
-  """A state array given to a constructor, checked against `[low, high]` when concrete.
+def state_values(name: str, value: Any, dtype, low: float, high: float,
+                 shape: tuple[int, ...] = ()) -> Any:
+  """A state array given to a constructor, checked against `[low, high]` and its trailing
+  axes against `shape` when concrete.
 
   Traced and abstract values (under `jit`, `jax.eval_shape`) pass unchecked; integer
   state must hold whole numbers; booleans, strings and lists are refused. Returns
@@ -215,6 +227,9 @@ def state_values(name: str, value: Any, dtype, low: float, high: float) -> Any:
                             or jnp.issubdtype(values.dtype, jnp.floating)):  # bfloat16 too
     raise ValueError(f"`{name}` must be a real number or an array of them, got "
                      f"{_describe(value)}.")
+  if values.shape[values.ndim - len(shape):] != shape:  # leading axes: a batch, for vmap
+    raise ValueError(f"`{name}` must have shape {shape} (after any batch axes), got shape "
+                     f"{values.shape}.")
   wide = values.astype(np.float64)  # a float16 compared with float32's max overflows
   ok = np.isfinite(wide) & (wide >= low) & (wide <= high)
   if np.issubdtype(dtype, np.integer):
@@ -237,45 +252,6 @@ def config_keys(cls: type, config: Any, allowed: list[str]) -> None:
     raise ValueError(
         f"Unknown {cls.__name__} config keys {unknown}; a config holds only {allowed} (the "
         "state is restored from checkpoints, not configs).")
-
-
-def loss(value: Any) -> jax.Array:
-  """The unscaled loss passed as `loss=`: a number or an array, as an array."""
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    return jnp.asarray(value)
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(
-        "`loss` must be the unscaled loss of the step (a number or an array), got "
-        f"{type(value).__name__}: {value!r:.100}")
-  return jnp.asarray(value, jnp.float32)
-
-
-def grads_like_params(grads: Any, params: Any) -> None:
-  """`grads` has the structure of `params` and a leaf of its shape for each array
-  (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
-  compared); a Python float in `params` (not trained, as in equinox) has no gradient.
-  `optax.lookahead`'s gradients are those of its fast params."""
-  if isinstance(params, optax.LookaheadParams):
-    params = params.fast
-  is_none = lambda x: x is None  # noqa: E731
-  ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
-  theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
-  if len(ours) != len(theirs):
-    raise ValueError(f"`grads` must have the structure of `params`: {len(ours)} leaves "
-                     f"against {len(theirs)}; grads: {str(jax.tree.structure(grads)):.300}.")
-  for (grad_path, g), (path, p) in zip(ours, theirs, strict=True):
-    where = jax.tree_util.keystr(path)
-    if jax.tree_util.keystr(grad_path) != where:
-      raise ValueError(f"`grads` must have the structure of `params`: `grads` has "
-                       f"{jax.tree_util.keystr(grad_path)} where `params` has {where}.")
-    if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
-      raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
-                       f"`params{where}` {jnp.shape(p)}.")
-    if isinstance(p, float) and g is not None:
-      raise TypeError(
-          f"`params{where}` is the Python float {p!r}, which is not trained (as in "
-          f"equinox, only arrays are), but `grads{where}` is a gradient for it: make the "
-          "parameter an array (jnp.asarray) to train it, or give it no gradient (None).")
 
 
 def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -317,34 +293,3 @@ def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"`initial_loss_scale` must be <= `max_loss_scale` ({high!r}), got "
                      f"{config['initial_loss_scale']!r}.")
   return checked
-
-
-def update_keywords(extra_args: dict) -> None:
-  """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it.
-
-  Only a typo is refused (a case variant, a letter dropped or doubled, two swapped, and
-  `probe`), not a word an inner transformation may take (`losses`, `lost`, `probs`).
-  """
-  for key in extra_args:
-    meant = next((word for word in ("loss", "probes") if key != word and (
-        key.lower() in _typos(word) or key.lower() == word)), None)
-    if meant:
-      raise TypeError(f"loss_scaling's update got `{key}=`: did you mean `{meant}=`? Other "
-                      "keyword arguments go to the inner optimizer, which ignores unknown ones.")
-
-
-def _typos(word: str) -> set[str]:
-  """`word` with one letter dropped or doubled, or two neighbours swapped."""
-  cut = range(len(word))
-  return ({word[:i] + word[i + 1:] for i in cut} | {word[:i] + word[i] + word[i:] for i in cut}
-          | {word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in cut[:-1]}) - {
-              "probs", word}
-
-
-def axis_name(value: Any) -> Any:
-  """`axis_name`: None, a mapped axis name (hashable), or a tuple or list of them."""
-  names = value if isinstance(value, (tuple, list)) else () if value is None else (value,)
-  if not all(isinstance(name, Hashable) for name in names):
-    raise TypeError(f"`axis_name` must be an axis name (a string), or a tuple or list of "
-                    f"them, got {value!r}.")
-  return value

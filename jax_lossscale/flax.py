@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import serialization
 from flax.core import FrozenDict
 from flax.training import train_state
@@ -99,8 +100,20 @@ def _register(cls: type) -> None:
   def from_state_dict(target, state):
     # Through the pytree's own unflatten: no constructor runs, so classes with
     # TensorFlow-style constructor arguments restore as well.
-    leaves = [serialization.from_state_dict(getattr(target, name), state[name])
-              for name in cls._state_names]
+    names = set(cls._state_names)
+    if set(state) != names:
+      raise ValueError(
+          f"Cannot restore a {cls.__name__}: the checkpoint's loss scale has the fields "
+          f"{sorted(state)}, a {cls.__name__} has {sorted(names)}. Restore into a target "
+          "made with the loss scale the checkpoint was saved with.")
+    leaves = []
+    for name in cls._state_names:
+      leaves.append(serialization.from_state_dict(getattr(target, name), state[name]))
+      if np.shape(leaves[-1]) != np.shape(getattr(target, name)):
+        raise ValueError(
+            f"Cannot restore a {cls.__name__}: the checkpoint's `{name}` has shape "
+            f"{np.shape(leaves[-1])}, the target's {np.shape(getattr(target, name))} (made "
+            f"with another configuration: {target.get_config()}).")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
 
   serialization.register_serialization_state(cls, to_state_dict, from_state_dict,

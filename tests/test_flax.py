@@ -157,6 +157,24 @@ def test_loss_scaling_states_round_trip_through_flax_serialization():
   assert restored.loss_scale.get_config() == state.loss_scale.get_config()
 
 
+@pytest.mark.parametrize("saved, target, match", [
+    (jls.DynamicLossScale(), jls.FixedLossScale(128.0), r"the checkpoint's loss scale has the "
+     r"fields \['current_loss_scale', 'hysteresis_left', 'num_good_steps'\], a FixedLossScale"),
+    (jls.FixedLossScale(128.0), jls.DynamicLossScale(), "the checkpoint's loss scale has the "
+     r"fields \[\], a DynamicLossScale"),
+    (jls.MeasuredLossScale(history=4), jls.MeasuredLossScale(),
+     r"the checkpoint's `maxima` has shape \(4,\), the target's \(16,\)")],
+    ids=["extra_fields", "missing_fields", "other_history"])
+def test_a_checkpoint_of_another_loss_scale_is_refused_not_restored_in_part(saved, target, match):
+  # Extra fields were dropped (the saved dynamic scale lost), a missing one raised a bare
+  # KeyError, and a history of 4 was restored into a scale configured for 16.
+  params = {"w": jnp.ones(3)}
+  state = jls.loss_scaling(optax.adam(1e-3), saved).init(params)
+  with pytest.raises(ValueError, match=match):
+    serialization.from_bytes(jls.loss_scaling(optax.adam(1e-3), target).init(params),
+                             serialization.to_bytes(state))
+
+
 @pytest.mark.parametrize("manager", [jls.FixedLossScaleManager(4.0),
                                      jls.ExponentialUpdateLossScaleManager(8, 3)],
                          ids=lambda m: type(m).__name__)

@@ -205,21 +205,6 @@ def test_apply_gradients_without_params_is_refused_naming_params():
     tx.apply_gradients(params, tx.init(params), None)
 
 
-@pytest.mark.parametrize("grads, match", [
-    ({"w": jnp.ones(2)}, r"`grads` must have the structure of `params`: 1 leaves against 2"),
-    ({"w": jnp.ones(2), "b": jnp.ones(4)}, r"`grads\['b'\]` has shape \(4,\), its parameter "
-                                           r"`params\['b'\]` \(3,\)"),
-    ({"weight": jnp.ones(2), "b": jnp.ones(3)}, r"`grads` has \['weight'\] where `params` has "
-                                                r"\['w'\]")],
-    ids=["missing_leaf", "wrong_shape", "renamed_leaf"])
-def test_gradients_that_do_not_match_the_parameters_are_refused_naming_both(grads, match):
-  tx = jls.loss_scaling(optax.adam(0.1))
-  params = {"w": jnp.ones(2), "b": jnp.ones(3)}
-  for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(ValueError, match=match):
-      step(grads, tx.init(params), params)
-
-
 @pytest.mark.parametrize("inner, grads, params", [
     (optax.adam(1e-3, eps=0.0), 0.0, 1.0),  # 0 / 0: NaN from finite gradients
     (optax.sgd(-1.0), 20000.0, 60000.0)],  # 60000 + 20000 overflows float16
@@ -232,19 +217,6 @@ def test_update_checks_narrow_parameters_as_apply_gradients_does(inner, grads, p
   updates, state = tx.update({"w": jnp.full(3, grads, jnp.float32)}, tx.init(params), params)
   assert not bool(state.last_applied) and int(state.nonfinite_update_steps) == 1
   np.testing.assert_array_equal(optax.apply_updates(params, updates)["w"], params["w"])
-
-
-def test_a_python_float_parameter_with_a_gradient_is_refused_as_not_trained():
-  # Python floats are static, as in equinox: init makes no optimizer state for them,
-  # so a gradient for one would be dropped by apply_gradients (and break Adam's update).
-  tx = jls.loss_scaling(optax.sgd(0.5), jls.NoOpLossScale())
-  params = {"w": jnp.ones(3), "t": 1.0}
-  for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=r"`params\['t'\]` is the Python float 1.0, which is "
-                                        r"not trained .* make the parameter an array"):
-      step({"w": jnp.ones(3), "t": 3.0}, tx.init(params), params)
-  new, _ = tx.apply_gradients({"w": jnp.ones(3), "t": None}, tx.init(params), params)
-  assert new["t"] == 1.0 and new["w"].tolist() == [0.5] * 3
 
 
 def test_a_state_made_by_another_inner_optimizer_is_named_as_the_likely_cause():
@@ -320,7 +292,7 @@ def test_wrapping_loss_scaling_in_loss_scaling_is_refused():
   with pytest.raises(TypeError, match="already a loss_scaling"):
     jls.loss_scaling(jls.loss_scaling(optax.sgd(0.1)))
   nested = jls.loss_scaling(optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1))))
-  with pytest.raises(TypeError, match="already contains a loss_scaling"):
+  with pytest.raises(TypeError, match="already contains a loss_scaling state"):
     nested.init(PARAMS)
 
 
@@ -350,12 +322,6 @@ def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name(loss_scale):
   tx = jls.loss_scaling(optax.sgd(0.1), loss_scale, axis_name="data")
   with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map or pmap"):
     jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
-
-
-@pytest.mark.parametrize("bad", [[["data"]], {"data": 1}, ("data", ["model"])])
-def test_an_axis_name_that_is_not_names_is_refused_when_the_transformation_is_built(bad):
-  with pytest.raises(TypeError, match="`axis_name` must be an axis name"):
-    jls.loss_scaling(optax.sgd(0.1), axis_name=bad)
 
 
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), np.float32("nan"),
@@ -658,6 +624,34 @@ def test_clip_by_global_norm_rejects_a_bad_value(bad):
     jls.loss_scaling(optax.sgd(0.1), clip_by_global_norm=bad)
 
 
+def test_clip_by_global_norm_too_small_for_a_normal_clip_factor_is_refused():
+  # max_norm / norm fell below float32's smallest normal for large finite norms, was
+  # flushed to 0, and the step applied zero updates where optax's clip gives 7e-26.
+  with pytest.raises(ValueError, match=r"`clip_by_global_norm` must be at least 2\*\*-62"):
+    jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=1e-25)
+  tx = jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=2.0**-62)
+  params, grads = {"w": jnp.zeros(2)}, {"w": jnp.array([1e18, -1e18])}
+  clipped = optax.clip_by_global_norm(2.0**-62).update(grads, optax.EmptyState())[0]
+  new_params, _ = tx.apply_gradients(grads, tx.init(params), params)
+  np.testing.assert_allclose(new_params["w"], -clipped["w"], rtol=1e-6)
+
+
+def test_clip_by_global_norm_clips_float64_gradients_beyond_float32_under_x64():
+  # The clip factor was cast to float32, where 7e-51 is 0: a zero step counted as applied.
+  with jax.enable_x64(True):
+    tx = jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=1.0)
+    params, grads = {"w": jnp.ones(2)}, {"w": jnp.array([1e50, -1e50])}
+    new_params, state = tx.apply_gradients(grads, tx.init(params), params)
+    assert bool(state.last_applied)
+    np.testing.assert_allclose(new_params["w"], 1 - np.array([1, -1]) / np.sqrt(2), rtol=1e-12)
+
+
+def test_wrap_state_refuses_a_state_that_is_already_wrapped():
+  tx = jls.loss_scaling(optax.adam(0.1))
+  with pytest.raises(TypeError, match="already contains a loss_scaling state"):
+    tx.wrap_state(tx.init(PARAMS))
+
+
 @pytest.mark.parametrize("value", [np.float32(1.0), np.int64(2), jnp.float32(0.5)])
 def test_clip_by_global_norm_accepts_numpy_and_jax_scalars(value):
   tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0), clip_by_global_norm=value)
@@ -808,33 +802,6 @@ def test_extra_args_are_passed_to_the_inner_transformation():
   tx = jls.loss_scaling(inner)
   tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), temperature=0.5)
   assert seen == {"temperature": 0.5}
-
-
-@pytest.mark.parametrize("keyword", ["losses", "lost", "probs", "value"])
-def test_keywords_that_are_words_and_not_typos_of_loss_or_probes_reach_the_inner(keyword):
-  seen = {}
-
-  def update(updates, state, params=None, **extra_args):
-    seen.update(extra_args)
-    return updates, state
-
-  tx = jls.loss_scaling(optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
-                                                              update))
-  tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), **{keyword: 1.0})
-  assert seen == {keyword: 1.0}
-
-
-@FUSED
-@pytest.mark.parametrize("keyword, meant", [("los", "loss"), ("losss", "loss"), ("Loss", "loss"),
-                                            ("lsos", "loss"), ("probe", "probes")])
-def test_a_misspelt_loss_or_probes_keyword_is_refused_not_passed_on(fused, keyword, meant):
-  # optax's inner transformations ignore keywords they do not take: a NaN loss passed
-  # as `los=` would skip the step as an overflow, and back the scale off.
-  tx = jls.loss_scaling(optax.sgd(0.1))
-  params = {"w": jnp.ones(2)}
-  step = tx.apply_gradients if fused else tx.update
-  with pytest.raises(TypeError, match=rf"got `{keyword}=`: did you mean `{meant}=`\?"):
-    step({"w": jnp.ones(2)}, tx.init(params), params, **{keyword: jnp.nan})
 
 
 # --- dtypes and tree shapes --------------------------------------------------------

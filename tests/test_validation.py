@@ -124,6 +124,16 @@ def test_state_given_to_the_constructor_is_checked(state, name):
     jls.DynamicLossScale(**state)
 
 
+@pytest.mark.parametrize("maxima", [np.zeros(4), np.zeros(())])
+def test_state_of_another_shape_than_the_configuration_is_refused(maxima):
+  # A history of 4 maxima was accepted by a scale configured for 16.
+  with pytest.raises(ValueError, match=r"`maxima` must have shape \(16,\) \(after any batch "
+                                       r"axes\), got shape"):
+    jls.MeasuredLossScale(maxima=maxima)
+  batch = jls.MeasuredLossScale(history=4, maxima=np.zeros((3, 4)))  # a batch, for vmap
+  assert batch.maxima.shape == (3, 4)
+
+
 @pytest.mark.parametrize("value", [jnp.bfloat16(1024), jnp.float16(1024), np.int64(1024)])
 def test_state_of_any_real_dtype_is_accepted(value):
   assert float(jls.DynamicLossScale(current_loss_scale=value)()) == 1024.0
