@@ -49,6 +49,8 @@ def probe_output(out: Any, name: str, index: Any = None, length: int | None = No
     index = length = None
 
   def one(path, leaf):
+    if not hasattr(leaf, "dtype"):  # a string, a Python number: not measured
+      return leaf
     where = name if len(leaves) == 1 else f"{name}/{join(path)}"
     return _probes.probe(leaf, where, index=index, length=length)
 

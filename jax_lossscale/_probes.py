@@ -66,8 +66,7 @@ class Probes(Mapping):
     return len(self.names)
 
 
-# Part of jit's cache key: a jitted function inside the loss is traced again when
-# measurement starts (tests/test_probes.py, inner jit).
+# Part of jit's cache key: a jit inside the loss is traced again for measuring.
 _SESSION = jax.make_user_context(None)
 
 
@@ -139,6 +138,8 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
     raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
   if isinstance(index, (int, np.integer)) and not 0 <= index < length:
     raise ValueError(f"probe {name!r}: index={index} is not in [0, length={length}).")
+  if not (hasattr(x, "dtype") or isinstance(x, (int, float))):
+    raise TypeError(f"probe {name!r}: `x` must be an array, got {type(x).__name__}.")
   session = _SESSION.value
   if session is None or id(x) in session.returned or not jnp.issubdtype(
       jnp.result_type(x), jnp.floating):
@@ -296,10 +297,9 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   # Inside shard_map, each device's own: stats varying over the mesh, as under pmap.
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
-  rows = lambda n: () if n is None else (n,)
-  return {name: zeros(*rows(n), 2, _probe_stats.WIDTH)
-          for name, n in session.lengths.items()}, _forward_order(
-              session, _loops(program.jaxpr))
+  stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
+           for name, n in session.lengths.items()}
+  return stats, _forward_order(session, _loops(program.jaxpr))
 
 
 def _loops(jaxpr, loop: tuple | None = None, found: dict | None = None) -> dict[int, Any]:

@@ -153,7 +153,12 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
   def select(a, b):
     if isinstance(a, numbers.Number) or isinstance(b, numbers.Number):
-      return a if a is b or (type(a) is type(b) and a == b) else jnp.where(pred, a, b)
+      if a is b or (type(a) is type(b) and a == b):
+        return a
+      if jnp.shape(a) != jnp.shape(b):  # a number for an array: no broadcasting
+        raise TypeError(f"select_tree: leaves must have the same shape, got {jnp.shape(a)} "
+                        f"and {jnp.shape(b)}.")
+      return jnp.where(pred, a, b)
     if not is_array(a):
       return a
     if not is_array(b) or a.shape != b.shape or a.dtype != b.dtype:

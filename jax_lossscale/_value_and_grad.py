@@ -8,9 +8,11 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jax_lossscale import _finite
 from jax_lossscale import _monitoring
+from jax_lossscale import _numerics
 from jax_lossscale import _probe_frameworks
 from jax_lossscale import _probes
 from jax_lossscale import _trees
@@ -53,7 +55,8 @@ def scaled_value_and_grad(
     has_aux: as in `jax.value_and_grad`.
     axis_name: for data-parallel steps under `pmap` or `shard_map` (flax's and haiku's
       examples): the mapped axis name(s) over which the loss and the gradients are
-      averaged (`lax.pmean`), as flax's `DynamicScale.value_and_grad(axis_name=...)`
+      averaged (`lax.pmean`, summed in at least float32, where float16's sum of finite
+      values can overflow), as flax's `DynamicScale.value_and_grad(axis_name=...)`
       does, so every replica gets the same loss and gradients.
     value_and_grad: the differentiation transform: `jax.value_and_grad` (default),
       `flax.nnx.value_and_grad` (models holding `BatchNorm` or `Dropout` state), or
@@ -105,6 +108,14 @@ def scaled_value_and_grad(
 
     def scaled(*a, **k):
       out = measured_fun(*a, **k)
+      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else repr(out)
+        raise TypeError(f"scaled_value_and_grad({name}, has_aux=True): {name} must return "
+                        f"a pair (loss, aux), got {got:.100}.")
+      if not has_aux and isinstance(out, (tuple, list)):
+        raise TypeError(f"scaled_value_and_grad({name}): {name} returned a "
+                        f"{type(out).__name__}, not a scalar loss: pass has_aux=True if "
+                        "it returns (loss, aux).")
       loss, aux = out if has_aux else (out, None)
       return loss_scale.scale(loss), _Value(loss, aux)
 
@@ -153,5 +164,9 @@ def _value_and_grads(result: Any, value_and_grad: Callable) -> tuple[_Value, Any
 
 
 def _mean(tree: Any, axis_name: _finite.AxisName) -> Any:
-  return _trees.map_float_leaves(
-      lambda x: _finite.collective(jax.lax.pmean, x, axis_name, axis_name), tree)
+  """The mean over `axis_name`, summed in at least float32: 8 float16 gradients of 16384,
+  each finite, sum to inf in float16."""
+  def mean(x):
+    wide = x.astype(_numerics.compute_dtype(x.dtype))
+    return _finite.collective(jax.lax.pmean, wide, axis_name, axis_name).astype(x.dtype)
+  return _trees.map_float_leaves(mean, tree)

@@ -27,6 +27,7 @@ from jax_lossscale import _policy
 from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._probe_stats import ProbeSummary
 from jax_lossscale._probe_stats import TensorSummary
 from jax_lossscale._probes import LOSS
@@ -66,11 +67,11 @@ def nonfinite_leaf_paths(flags: Any) -> list[str]:
     ValueError: if a leaf is not a boolean flag.
   """
   for leaf in jax.tree.leaves(flags):
-    if jnp.result_type(leaf) != jnp.bool_:
+    if jnp.result_type(leaf) != jnp.bool_ or jnp.shape(leaf) != ():
       raise ValueError(
-          "nonfinite_leaf_paths expects the boolean flags from nonfinite_leaves(grads), "
-          f"got a leaf of dtype {jnp.result_type(leaf)}."
-      )
+          "nonfinite_leaf_paths expects the boolean scalar flags from "
+          f"nonfinite_leaves(grads), got a leaf of dtype {jnp.result_type(leaf)} and shape "
+          f"{jnp.shape(leaf)}.")
   return [
       _path_string(path)
       for path, flag in jax.tree_util.tree_leaves_with_path(flags)
@@ -109,7 +110,7 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     dtype: the target dtype: float16 (default), bfloat16, or a float8 type such as
       `jnp.float8_e4m3fn` / `jnp.float8_e5m2`; a dtype, or a policy name ("f16").
     loss_scale: the scale to try: a positive number or scalar array, finite in
-      float32 (checked unless traced).
+      float32 (checked unless traced), or a `LossScale` (its current scale).
 
   Raises:
     ValueError: for a non-floating `dtype`, or a `loss_scale` that is not a positive
@@ -123,7 +124,9 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
     non-zero finite magnitudes of `grads`, before scaling; 0 if there are none).
   """
   dtype = _policy.as_dtype(dtype, "dtype")
-  if _validation.concrete_values(loss_scale) is not None:
+  if isinstance(loss_scale, LossScale):
+    loss_scale = loss_scale()  # its current scale
+  elif not isinstance(loss_scale, jax.core.Tracer):
     _validation.scale("loss_scale", loss_scale)
   return _gradient_stats(_trees.float_leaves(grads), dtype, loss_scale)
 
@@ -243,6 +246,9 @@ def _power_of_two(exponent: int) -> float:
 
 def summarize(probes: Probes) -> dict[str, ProbeSummary]:
   """Each probe's `ProbeSummary`, in forward order, as numpy arrays on the host."""
+  if not isinstance(probes, Probes):
+    raise TypeError("`probes` must be what scaled_value_and_grad(..., probes=True) returned "
+                    f"(a diagnostics.Probes), got {type(probes).__name__}.")
   # A list: `device_get` of a dict would sort the names.
   return dict(zip(probes.names, jax.device_get([probes[name] for name in probes]), strict=True))
 

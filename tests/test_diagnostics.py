@@ -80,9 +80,11 @@ def test_nonfinite_leaf_paths_of_lists_and_dataclasses():
   assert paths(jls.diagnostics.nonfinite_leaves({"a": jnp.ones(3), "b": None})) == []
 
 
-def test_nonfinite_leaf_paths_needs_the_flags():
-  with pytest.raises(ValueError, match="boolean flags"):
-    jls.diagnostics.nonfinite_leaf_paths({"w": jnp.ones(2)})
+@pytest.mark.parametrize("flags", [{"w": jnp.ones(2)}, {"w": jnp.array([True, False])}],
+                         ids=["the_gradients", "a_vector_of_flags"])
+def test_nonfinite_leaf_paths_needs_the_flags(flags):
+  with pytest.raises(ValueError, match="boolean scalar flags"):
+    jls.diagnostics.nonfinite_leaf_paths(flags)
 
 
 # --- underflow and headroom ----------------------------------------------------------
@@ -123,6 +125,16 @@ def test_gradient_stats_with_a_scale_shifts_the_boundaries():
   assert float(stats["underflow_fraction"]) == 0
   assert float(stats["subnormal_fraction"]) == pytest.approx(1 / 3)
   assert float(stats["overflow_fraction"]) == pytest.approx(1 / 3)
+
+
+def test_gradient_stats_takes_a_loss_scale_at_its_current_scale():
+  # `loss_scale` names a LossScale everywhere else: it failed inside float().
+  grads = {"g": jnp.array([2.0**-25, 2.0**-20, 2.0**10], jnp.float32)}
+  chex.assert_trees_all_equal(
+      jls.diagnostics.gradient_stats(grads, "f16", jls.DynamicLossScale(2.0**6)),
+      jls.diagnostics.gradient_stats(grads, "f16", 2.0**6))
+  with pytest.raises(ValueError, match="`loss_scale` must be a real number"):
+    jls.diagnostics.gradient_stats(grads, "f16", "x")
 
 
 @pytest.mark.parametrize(
@@ -270,3 +282,11 @@ def test_a_probe_of_an_empty_activation_measures_fractions_of_zero():
   summary = probes["empty"]
   assert int(summary.hits) == 1
   assert float(summary.forward.zero_fraction) == float(summary.backward.zero_fraction) == 0.0
+
+
+@pytest.mark.parametrize("read_out", ["summarize", "headroom", "table", "layers",
+                                      "backward_overflow_origin", "forward_nonfinite_origin"])
+def test_probe_read_outs_given_gradients_are_refused_naming_probes(read_out):
+  with pytest.raises(TypeError, match=r"`probes` must be what scaled_value_and_grad\(\.\.\., "
+                                      r"probes=True\) returned .* got dict"):
+    getattr(jls.diagnostics, read_out)({"w": jnp.ones(3)})

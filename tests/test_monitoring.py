@@ -77,7 +77,8 @@ def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
 
 
 @pytest.mark.parametrize("old", [{"mean": jnp.zeros(3)}, {"mean": jnp.zeros(2, jnp.int32)},
-                                 {"average": jnp.zeros(2)}], ids=["shape", "dtype", "structure"])
+                                 {"average": jnp.zeros(2)}, {"mean": 0.0}],
+                         ids=["shape", "dtype", "structure", "a_number_for_an_array"])
 def test_if_applied_refuses_new_and_old_that_do_not_match_naming_them(old):
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
   with pytest.raises((TypeError, ValueError), match="if_applied: `new` and `old` must have"):

@@ -75,6 +75,27 @@ def test_linen_trains_with_a_probe_on_every_module_named_by_its_path():
   assert all(int(probes[name].hits) == 1 for name in probes)
 
 
+def test_linen_a_module_output_that_is_not_an_array_is_passed_on_unmeasured():
+  class Tagged(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return jnp.tanh(linen.Dense(2, dtype=F16, name="dense")(x)), "tag"
+
+  class Model(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      y, tag = Tagged(name="tagged")(x)
+      assert tag == "tag"
+      return y
+
+  model = Model()
+  params = model.init(jax.random.key(0), X)["params"]
+  probed = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))
+  _, grads, probes = probed(params, model, X, Y)
+  assert list(probes) == ["tagged/dense", "tagged/0"] and int(probes["tagged/0"].hits) == 1
+  chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
+
+
 def test_linen_an_overflow_in_layer_1_backward_pass_is_named_layer_1():
   model = LinenMLP(overflow_at=1)
   params = model.init(jax.random.key(0), X)["params"]

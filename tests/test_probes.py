@@ -63,6 +63,12 @@ def test_without_measurement_probe_returns_its_input_and_the_program_has_no_prob
   assert "custom_vjp" not in jaxpr(mlp)
 
 
+def test_a_probe_of_a_pytree_is_refused_naming_x():
+  # It failed inside jnp.result_type ("entry not a 2- or 3- tuple").
+  with pytest.raises(TypeError, match="probe 't': `x` must be an array, got dict"):
+    pr.probe({"a": jnp.ones(2)}, "t")
+
+
 def test_measurements_leave_the_device_through_the_backward_pass_not_a_host_callback():
   jaxpr = str(jax.make_jaxpr(with_probes(mlp))(PARAMS, X))
   assert "measurements" in jaxpr and "callback" not in jaxpr  # the jitted reduction

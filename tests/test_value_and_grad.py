@@ -103,6 +103,21 @@ def test_a_float16_loss_is_scaled_in_float32_and_returned_unscaled():
   assert bool(jls.all_finite(grads))
 
 
+@pytest.mark.parametrize("has_aux, returns, match", [
+    (True, lambda p: jnp.sum(p["w"]), r"has_aux=True\): sum_loss must return a pair \(loss, "
+                                      r"aux\), got an array of shape \(\)"),
+    (False, lambda p: (jnp.sum(p["w"]), 1.0), r"sum_loss returned a tuple, not a scalar loss: "
+                                               r"pass has_aux=True")])
+def test_a_loss_that_does_not_return_what_has_aux_says_is_refused(has_aux, returns, match):
+  # JAX's own errors came from inside the wrapper, or showed the aux scaled as the loss.
+  def sum_loss(p):
+    return returns(p)
+  tx = jls.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.ones(3)}
+  with pytest.raises(TypeError, match=match):
+    jls.scaled_value_and_grad(sum_loss, has_aux=has_aux)(tx.init(params), params)
+
+
 def test_the_wrapper_is_named_after_the_loss_function():
   assert jls.scaled_value_and_grad(loss_fn).__name__ == "scaled_value_and_grad(loss_fn)"
 
@@ -126,6 +141,26 @@ def test_axis_name_averages_the_loss_and_the_gradients_across_replicas():
                           jax.vmap(lambda x: jax.grad(loss_fn)(PARAMS, x))(x))
   np.testing.assert_allclose(loss, jnp.full(n, expected_loss), rtol=1e-6)
   chex.assert_trees_all_close(jax.tree.map(lambda g: g[0], grads), expected, rtol=1e-6)
+
+
+def test_float16_gradients_and_losses_are_averaged_without_overflowing_their_sum():
+  # pmean summed in float16: 8 replicas' scaled gradients of 16384 (and losses of 5000)
+  # gave inf, so every step was skipped (and with a float16 loss, forever).
+  tx = jls.loss_scaling(optax.sgd(0.1))  # scale 2**15
+  params = {"w": jnp.ones(4, jnp.float16), "v": jnp.ones(1)}
+  grad_fn = jls.scaled_value_and_grad(
+      lambda p, x: (jnp.sum(p["w"] * x) + 5000 * p["v"][0]).astype(jnp.float16),
+      axis_name="batch")
+
+  def step(x):
+    loss, grads = grad_fn(tx.init(params), params, x)
+    return loss, grads, tx.update(grads, tx.init(params), params, loss=loss)[1]
+
+  loss, grads, state = jax.vmap(step, axis_name="batch")(jnp.full((8, 4), 0.5, jnp.float16))
+  assert loss.dtype == grads["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(loss, np.float16(5002.0))
+  np.testing.assert_array_equal(grads["w"], 16384.0)  # 0.5 * 2**15, finite in float16
+  assert bool(state.last_applied.all()) and float(state.loss_scale()[0]) == 2.0**15
 
 
 def test_an_axis_name_outside_pmap_or_shard_map_is_refused_naming_axis_name():
