@@ -63,7 +63,8 @@ class MeasuredLossScale(LossScale):
     margin: doublings of headroom kept below `max_value` (>= 0).
     history: how many steps' maxima the scale respects (>= 1).
     dtype: the compute dtype whose largest value bounds the gradients: "float16" (the
-      default) or a float8 type; its name is kept, so the config stays JSON.
+      default) or a float8 type (others need no loss scale); its name is kept, so the
+      config stays JSON.
     min_loss_scale: the floor, a positive float32 normal.
     max_loss_scale: the cap (default 2**24: beyond it float16 gradients of 2**-24, the
       smallest subnormal, would already be 1).
@@ -99,6 +100,10 @@ class MeasuredLossScale(LossScale):
         "min_loss_scale": v.scale("min_loss_scale", self.min_loss_scale),
         "max_loss_scale": v.scale("max_loss_scale", self.max_loss_scale),
     }
+    if not _numerics.has_short_range(checked["dtype"]):
+      raise ValueError(
+          f"`dtype` must be float16 or a float8 type, got {self.dtype!r}, which has float32's "
+          "range: it needs no loss scale (NoOpLossScale still skips non-finite steps).")
     for name, value in checked.items():
       object.__setattr__(self, name, value)
     if not self.min_loss_scale <= self.initial_loss_scale <= self.max_loss_scale:
