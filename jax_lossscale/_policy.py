@@ -115,7 +115,8 @@ class Policy:
 
   Each dtype may be a real floating dtype or a name of the policy grammar (read by
   `as_dtype`), so `Policy(jnp.float32, "f16", jnp.float32)` computes in float16, as
-  `get_policy("p=f32,c=f16,o=f32")` does. They are stored as `jnp.dtype` values.
+  `get_policy("p=f32,c=f16,o=f32")` does. They are stored as JAX's scalar types, as
+  jmp's are (`jnp.float16`: a dtype that also casts, `policy.compute_dtype(2.0)`).
 
   Args:
     param_dtype: the dtype parameters are stored (and optimized) in.
@@ -132,7 +133,8 @@ class Policy:
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      object.__setattr__(self, field.name, as_dtype(getattr(self, field.name), field.name))
+      dtype = as_dtype(getattr(self, field.name), field.name)
+      object.__setattr__(self, field.name, getattr(jnp, dtype.name))  # jnp.float16, ...
 
   def cast_to_param(self, tree: Any) -> Any:
     """Casts the floating leaves of `tree` to `param_dtype`; other leaves pass through."""
@@ -163,7 +165,7 @@ class Policy:
     return _loss_scale.NoOpLossScale()
 
   def __str__(self) -> str:
-    names = [DTYPE_NAMES.get(d.type, (d.name,))[0]
+    names = [DTYPE_NAMES.get(d, (jnp.dtype(d).name,))[0]
              for d in (self.param_dtype, self.compute_dtype, self.output_dtype)]
     return "p={},c={},o={}".format(*names)
 

@@ -44,6 +44,17 @@ def test_c_f16_means_float32_params_and_float16_compute_and_output():
   assert str(policy) == "p=full,c=f16,o=f16" == str(jmp.get_policy("c=f16"))
 
 
+@pytest.mark.parametrize("name", ["p=f32,c=half", "c=bf16", "params=float64"])
+def test_policy_dtypes_are_jaxs_scalar_types_as_jmps_are(name):
+  # They were NumPy dtypes: jmp code calling `policy.compute_dtype(x)`, or using it as a
+  # key next to jnp.float16, failed.
+  ours, theirs = jls.get_policy(name), jmp.get_policy(name)
+  for field in ("param_dtype", "compute_dtype", "output_dtype"):
+    assert getattr(ours, field) is getattr(theirs, field)
+  assert ours.compute_dtype(2**15).dtype == theirs.compute_dtype(2**15).dtype
+  assert {theirs.compute_dtype: "found"}[ours.compute_dtype] == "found"
+
+
 def test_half_is_bfloat16_on_tpu_and_float16_elsewhere():
   expected = jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
   assert jls.get_policy("half").compute_dtype == expected
