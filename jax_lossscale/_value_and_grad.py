@@ -107,16 +107,7 @@ def scaled_value_and_grad(
           f"state as {misplaced} and a {type(opt_state).__name__} first.") from error
 
     def scaled(*a, **k):
-      out = measured_fun(*a, **k)
-      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-        got = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else repr(out)
-        raise TypeError(f"scaled_value_and_grad({name}, has_aux=True): {name} must return "
-                        f"a pair (loss, aux), got {got:.100}.")
-      if not has_aux and isinstance(out, (tuple, list)):
-        raise TypeError(f"scaled_value_and_grad({name}): {name} returned a "
-                        f"{type(out).__name__}, not a scalar loss: pass has_aux=True if "
-                        "it returns (loss, aux).")
-      loss, aux = out if has_aux else (out, None)
+      loss, aux = _loss_and_aux(measured_fun(*a, **k), has_aux, name)
       return loss_scale.scale(loss), _Value(loss, aux)
 
     if probes:
@@ -138,6 +129,18 @@ def scaled_value_and_grad(
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")
   return scaled_value_and_grad_fn
+
+
+def _loss_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:
+  """`(loss, aux)` from what the loss function returned; a mistake in `has_aux` is named."""
+  if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+    got = f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape") else repr(out)
+    raise TypeError(f"scaled_value_and_grad({name}, has_aux=True): {name} must return a "
+                    f"pair (loss, aux), got {got:.100}.")
+  if not has_aux and isinstance(out, (tuple, list)):
+    raise TypeError(f"scaled_value_and_grad({name}): {name} returned a {type(out).__name__}, "
+                    "not a scalar loss: pass has_aux=True if it returns (loss, aux).")
+  return out if has_aux else (out, None)
 
 
 def _misplaced_state(args: tuple, kwargs: dict) -> str | None:
