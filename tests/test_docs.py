@@ -1,5 +1,6 @@
 """README and the docs: every Python block runs, the API reference builds cleanly."""
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -55,6 +56,23 @@ def test_ci_runs_the_readme_test_command():
   command = next(line for line in ci.splitlines() if "pytest" in line)
   assert command in readme
   assert ".venv/bin/python -m jax_lossscale.demo" in readme
+
+
+def _code_lines(lines: list[str]) -> int:
+  return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
+def test_every_module_is_a_room_of_at_most_350_lines_and_50_code_lines_a_function():
+  for path in sorted((ROOT / "jax_lossscale").rglob("*.py")):
+    source = path.read_text()
+    lines = source.split("\n")
+    assert source.count("\n") <= 350, path.name
+    for node in ast.walk(ast.parse(source)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        start = node.body[0].lineno  # after the docstring, if there is one
+        if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+          start = node.body[0].end_lineno + 1
+        assert _code_lines(lines[start - 1:node.end_lineno]) <= 50, f"{path.name}: {node.name}"
 
 
 def test_readme_names_every_module_and_each_has_its_test_file():
