@@ -138,7 +138,7 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
     raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
   if isinstance(index, (int, np.integer)) and not 0 <= index < length:
     raise ValueError(f"probe {name!r}: index={index} is not in [0, length={length}).")
-  if not (hasattr(x, "dtype") or isinstance(x, (int, float))):
+  if not (hasattr(x, "dtype") or isinstance(x, (int, float, complex))):
     raise TypeError(f"probe {name!r}: `x` must be an array, got {type(x).__name__}.")
   session = _SESSION.value
   if session is None or id(x) in session.returned or not jnp.issubdtype(

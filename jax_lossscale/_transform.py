@@ -245,8 +245,7 @@ class _Step:
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
     _step_args.update_keywords(extra_args)
-    if params is not None:
-      _step_args.grads_like_params(grads, params)
+    _step_args.grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
     decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
                               probes)

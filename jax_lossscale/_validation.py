@@ -93,7 +93,8 @@ def positive(name: str, value: Any) -> float:
 
 def clip_norm(value: Any) -> float:
   """`clip_by_global_norm`: positive, and large enough that its clip factor stays normal in
-  float32 for every norm float32 holds (below 2**64, where the squares overflow)."""
+  float32 for every norm float32 holds (below 2**64, where the squares overflow) under a
+  loss scale of at least 1 (below 1, so may optax's own clip's)."""
   number = positive("clip_by_global_norm", value)
   if number < 2.0**-62:
     raise ValueError(

@@ -107,7 +107,8 @@ def test_policy_refuses_none_naming_the_field(field):
 @pytest.mark.parametrize("value", [
     "f8", "f4", "float", "double", "e", "<f2", "F16", "int8", "", "fp16",
     pytest.param(float, id="python-float"), pytest.param(complex, id="python-complex"),
-    jnp.complex64, jnp.int32, np.dtype("uint8"), jnp.bool_, pytest.param(object(), id="object")])
+    jnp.complex64, jnp.int32, np.dtype("uint8"), jnp.bool_, pytest.param(object(), id="object"),
+    pytest.param(np.longdouble, id="float128-that-jax-lacks")])
 def test_as_dtype_refuses_anything_but_a_floating_dtype_or_a_policy_name(value):
   with pytest.raises(ValueError) as error:
     _policy.as_dtype(value, "dtype")

@@ -67,6 +67,7 @@ def test_a_probe_of_a_pytree_is_refused_naming_x():
   # It failed inside jnp.result_type ("entry not a 2- or 3- tuple").
   with pytest.raises(TypeError, match="probe 't': `x` must be an array, got dict"):
     pr.probe({"a": jnp.ones(2)}, "t")
+  assert [pr.probe(x, "t") for x in (1, 2.0, 3j)] == [1, 2.0, 3j]  # numbers pass as they are
 
 
 def test_measurements_leave_the_device_through_the_backward_pass_not_a_host_callback():

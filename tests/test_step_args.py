@@ -78,9 +78,9 @@ def test_integer_gradients_of_float_parameters_are_refused_not_passed_on_unscale
   # 32768 times too large.
   tx = jls.loss_scaling(optax.sgd(0.1))
   params = {"w": jnp.ones(3)}
-  for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=r"`grads\['w'\]` is int32, but a gradient of the "
-                                        r"float32 `params\['w'\]` must be floating-point"):
+  for step in (tx.update, tx.apply_gradients, lambda g, s, p: tx.update(g, s)):  # no params
+    with pytest.raises(TypeError, match=r"`grads\['w'\]` is int32: gradients must be "
+                                        r"floating-point"):
       step({"w": jnp.full(3, 32768, jnp.int32)}, tx.init(params), params)
 
 
@@ -101,6 +101,13 @@ def test_update_takes_optax_keyword_names():
   updates, state = tx.update(updates={"w": jnp.full(3, 4.0)}, state=tx.init(params),
                              params=params)
   assert updates["w"].tolist() == [-0.5] * 3 and bool(state.last_applied)
+
+
+def test_a_python_int_loss_beyond_int32_is_a_finite_loss():
+  tx = jls.loss_scaling(optax.sgd(1.0), 1.0)
+  params = {"w": jnp.ones(1)}
+  _, state = tx.update({"w": jnp.ones(1)}, tx.init(params), params, loss=2**31)
+  assert bool(state.last_applied)
 
 
 def test_a_python_float_loss_beyond_float32_is_finite_under_x64():
