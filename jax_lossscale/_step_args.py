@@ -5,6 +5,7 @@ allowed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -22,20 +23,20 @@ def loss(value: Any) -> jax.Array:
     raise TypeError(
         "`loss` must be the unscaled loss of the step (a number or an array), got "
         f"{type(value).__name__}: {value!r:.100}")
-  return jnp.asarray(float(value))  # float64 under x64: 1e300 is a finite loss there
+  try:
+    value = float(value)  # float64 under x64: 1e300 is a finite loss there
+  except OverflowError:  # an int beyond any float: not a finite loss
+    value = math.inf if value > 0 else -math.inf
+  return jnp.asarray(value)
 
 
 def grads_like_params(grads: Any, params: Any) -> None:
-  """`grads` are floating-point (or `float0`, `jax.grad`'s for integer inputs), and when
-  `params` are given, have their structure and a leaf of its shape for each array
+  """`grads` has the structure of `params` and a leaf of its shape for each array
   (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
-  compared); a Python float in `params` (not trained, as in equinox) has no gradient.
+  compared), floating-point where the parameter is (only those are unscaled: without
+  `params`, an integer gradient cannot be told from an integer parameter's and passes
+  as it is); a Python float in `params` (not trained, as in equinox) has no gradient.
   `optax.lookahead`'s gradients are those of its fast params."""
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.integer):
-      raise TypeError(f"`grads{jax.tree_util.keystr(path)}` is {g.dtype}: gradients must be "
-                      "floating-point (an integer gradient would reach the optimizer "
-                      "unscaled; jax.grad gives float0 for integer inputs).")
   if params is None:
     return
   if isinstance(params, optax.LookaheadParams):
@@ -54,6 +55,10 @@ def grads_like_params(grads: Any, params: Any) -> None:
     if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
       raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
                        f"`params{where}` {jnp.shape(p)}.")
+    if _is_float(p) and hasattr(g, "dtype") and not _is_float(g):
+      raise TypeError(f"`grads{where}` is {jnp.result_type(g)}, but a gradient of the "
+                      f"{jnp.result_type(p)} `params{where}` must be floating-point (it "
+                      "would reach the optimizer unscaled).")
     if isinstance(p, float) and g is not None:
       raise TypeError(
           f"`params{where}` is the Python float {p!r}, which is not trained (as in "
@@ -94,3 +99,7 @@ def axis_name(value: Any) -> Any:
     raise TypeError(f"`axis_name` must be an axis name (a string), or a tuple or list of "
                     f"them, got {value!r}.")
   return value
+
+
+def _is_float(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(jnp.result_type(x), jnp.inexact)

@@ -73,15 +73,20 @@ def test_a_misspelt_loss_or_probes_keyword_is_refused_not_passed_on(fused, keywo
     step({"w": jnp.ones(2)}, tx.init(params), params, **{keyword: jnp.nan})
 
 
-def test_integer_gradients_of_float_parameters_are_refused_not_passed_on_unscaled():
+@pytest.mark.parametrize("grad", [jnp.full(3, 32768, jnp.int32), jnp.array([True, False, True])],
+                         ids=["int32", "bool"])
+def test_integer_gradients_of_float_parameters_are_refused_not_passed_on_unscaled(grad):
   # Only floating leaves are unscaled: int32 gradients reached the optimizer as they were,
   # 32768 times too large.
   tx = jls.loss_scaling(optax.sgd(0.1))
-  params = {"w": jnp.ones(3)}
-  for step in (tx.update, tx.apply_gradients, lambda g, s, p: tx.update(g, s)):  # no params
-    with pytest.raises(TypeError, match=r"`grads\['w'\]` is int32: gradients must be "
-                                        r"floating-point"):
-      step({"w": jnp.full(3, 32768, jnp.int32)}, tx.init(params), params)
+  params = {"w": jnp.ones(3), "n": jnp.int32(3)}
+  for step in (tx.update, tx.apply_gradients):
+    with pytest.raises(TypeError, match=rf"`grads\['w'\]` is {grad.dtype}, but a gradient of "
+                                        r"the float32 `params\['w'\]` must be floating-point"):
+      step({"w": grad, "n": jnp.int32(0)}, tx.init(params), params)
+  # An integer parameter's integer "gradient" (zeros_like, an accumulator) passes, as in optax.
+  updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert bool(state.last_applied) and updates["w"].tolist() == [0.0] * 3
 
 
 def test_gradients_in_other_containers_than_the_parameters_are_refused_naming_both():
@@ -103,11 +108,14 @@ def test_update_takes_optax_keyword_names():
   assert updates["w"].tolist() == [-0.5] * 3 and bool(state.last_applied)
 
 
-def test_a_python_int_loss_beyond_int32_is_a_finite_loss():
+def test_a_python_int_loss_is_a_float_loss():
+  # 2**31 raised OverflowError (int32); 10**400, beyond any float, is not a finite loss.
   tx = jls.loss_scaling(optax.sgd(1.0), 1.0)
   params = {"w": jnp.ones(1)}
   _, state = tx.update({"w": jnp.ones(1)}, tx.init(params), params, loss=2**31)
   assert bool(state.last_applied)
+  _, state = tx.update({"w": jnp.ones(1)}, tx.init(params), params, loss=-(10**400))
+  assert not bool(state.last_applied) and int(state.nonfinite_loss_steps) == 1
 
 
 def test_a_python_float_loss_beyond_float32_is_finite_under_x64():
