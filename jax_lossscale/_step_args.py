@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale import _trees
+
 
 def loss(value: Any) -> jax.Array:
   """The unscaled loss passed as `loss=`: a number or an array, as an array."""
@@ -55,15 +57,15 @@ def grads_like_params(grads: Any, params: Any) -> None:
     if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
       raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
                        f"`params{where}` {jnp.shape(p)}.")
-    if _is_float(p) and hasattr(g, "dtype") and not _is_float(g):
-      raise TypeError(f"`grads{where}` is {jnp.result_type(g)}, but a gradient of the "
-                      f"{jnp.result_type(p)} `params{where}` must be floating-point (it "
-                      "would reach the optimizer unscaled).")
     if isinstance(p, float) and g is not None:
       raise TypeError(
           f"`params{where}` is the Python float {p!r}, which is not trained (as in "
           f"equinox, only arrays are), but `grads{where}` is a gradient for it: make the "
           "parameter an array (jnp.asarray) to train it, or give it no gradient (None).")
+    if _trees.is_float(p) and hasattr(g, "dtype") and not _trees.is_float(g):
+      raise TypeError(f"`grads{where}` is {jnp.result_type(g)}, but a gradient of the "
+                      f"{jnp.result_type(p)} `params{where}` must be floating-point (it "
+                      "would reach the optimizer unscaled).")
   structures = [jax.tree.structure(t, is_leaf=is_none) for t in (grads, params)]
   if structures[0] != structures[1]:  # the same paths, other containers (a tuple, a list)
     raise ValueError("`grads` must have the structure of `params`: grads "
@@ -99,7 +101,3 @@ def axis_name(value: Any) -> Any:
     raise TypeError(f"`axis_name` must be an axis name (a string), or a tuple or list of "
                     f"them, got {value!r}.")
   return value
-
-
-def _is_float(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
