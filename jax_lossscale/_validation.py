@@ -82,25 +82,16 @@ def real(name: str, value: Any) -> float:
   return number
 
 
-def positive(name: str, value: Any) -> float:
-  """A positive real number that float32 holds as one (neither inf nor 0)."""
-  number = real(name, value)
-  if number <= 0 or number > FLOAT32_MAX or np.float32(number) == 0:
-    raise ValueError(f"`{name}` must be positive and finite in float32 (at most about "
-                     f"3.4e38), got {value!r}.")
-  return number
-
-
 def clip_norm(value: Any) -> float:
-  """`clip_by_global_norm`: positive, and large enough that its clip factor stays normal in
-  float32 for every norm float32 holds (below 2**64, where the squares overflow) under a
-  loss scale of at least 1 (below 1, so may optax's own clip's)."""
-  number = positive("clip_by_global_norm", value)
-  if number < 2.0**-62:
+  """`clip_by_global_norm`: finite in float32, and large enough that its clip factor stays
+  normal in float32 for every norm float32 holds (below 2**64, where the squares
+  overflow) under a loss scale of at least 1 (below 1, so may optax's own clip's)."""
+  number = real("clip_by_global_norm", value)
+  if not 2.0**-62 <= number <= FLOAT32_MAX:
     raise ValueError(
-        f"`clip_by_global_norm` must be at least 2**-62 (about 2.2e-19), got {value!r}: the "
-        "clip factor of a large norm would be a float32 subnormal, flushed to 0, and the "
-        "clipped gradients with it.")
+        "`clip_by_global_norm` must be at least 2**-62 (about 2.2e-19: below, the clip factor "
+        "of a large norm is a float32 subnormal, flushed to 0 with the clipped gradients) "
+        f"and at most about 3.4e38 (finite in float32), got {value!r}.")
   return number
 
 
