@@ -57,6 +57,7 @@ class ProbeSummary(NamedTuple):
   headroom: jax.Array
 
 
+@jax.jit  # compiled once per shape: read eagerly, each operation would compile its own
 def summary(encoded: jax.Array) -> ProbeSummary:
   """A probe's `ProbeSummary` from its encoded sums over hits (`Probes.encoded`)."""
   hits = encoded[..., 0, VALUES:].sum(-1)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import count_compiles
 
 from jax_lossscale import _probe_stats
 from jax_lossscale import _probes as pr
@@ -112,3 +113,18 @@ def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
   assert [int(s.hits.max()) for s in summaries.values()] == [1, 3, 2]
   assert float(_probe_stats.largest_gradient(probes.encoded)) == float(max(bounds)) > 0
   assert float(_probe_stats.largest_gradient(probes.encoded[:1])) == float(bounds[0])
+
+
+def test_reading_a_probe_compiles_one_program_per_shape_not_one_per_operation():
+  def rows(hits):  # 13 rows: a shape no other test reads
+    encoded = np.zeros((13, 2, _probe_stats.WIDTH), np.float32)
+    encoded[..., _probe_stats.VALUES + 127] = hits
+    return jnp.asarray(encoded)
+
+  once, twice = rows(1.0), rows(2.0)
+  with count_compiles() as compiles:
+    first = _probe_stats.summary(once)
+  with count_compiles() as again:
+    later = _probe_stats.summary(twice)
+  assert len(compiles) == 1 and again == []
+  assert np.asarray(first.hits).tolist() == [1] * 13 and np.asarray(later.hits).tolist() == [2] * 13
