@@ -322,9 +322,11 @@ class DynamicLossScale(LossScale):
     return _numerics.flush_subnormals(scale * np.float32(factor))
 
   def _next(self, finite: jax.Array, measured: Any = None) -> DynamicLossScale:
-    scale = self()
+    # Within this configuration's limits, also for a state restored unchecked (orbax).
+    high = np.float32(np.inf if self.max_loss_scale is None else self.max_loss_scale)
+    scale = jnp.clip(self(), np.float32(self.min_loss_scale), high)
     good = jnp.asarray(self.num_good_steps, jnp.int32)
-    left = jnp.asarray(self.hysteresis_left, jnp.int32)
+    left = jnp.minimum(jnp.asarray(self.hysteresis_left, jnp.int32), self.hysteresis)
     grow = finite & (good + 1 >= self.increment_period)
     grown = self._times(scale, self.multiplier)
     if self.max_loss_scale is None:

@@ -114,6 +114,13 @@ def _register(cls: type) -> None:
             f"Cannot restore a {cls.__name__}: the checkpoint's `{name}` has shape "
             f"{np.shape(leaves[-1])}, the target's {np.shape(getattr(target, name))} (made "
             f"with another configuration: {target.get_config()}).")
+    try:  # the constructor's checks of the state against this configuration's limits
+      type(target)(**target.get_config(), **dict(zip(cls._state_names, leaves, strict=True)))
+    except ValueError as error:
+      raise ValueError(
+          f"Cannot restore a {cls.__name__}: the checkpoint's state does not fit the "
+          f"target's configuration {target.get_config()}: {error} Restore into a target "
+          "made with the loss scale the checkpoint was saved with.") from error
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
 
   serialization.register_serialization_state(cls, to_state_dict, from_state_dict,

@@ -163,11 +163,16 @@ def test_loss_scaling_states_round_trip_through_flax_serialization():
     (jls.FixedLossScale(128.0), jls.DynamicLossScale(), "the checkpoint's loss scale has the "
      r"fields \[\], a DynamicLossScale"),
     (jls.MeasuredLossScale(history=4), jls.MeasuredLossScale(),
-     r"the checkpoint's `maxima` has shape \(4,\), the target's \(16,\)")],
-    ids=["extra_fields", "missing_fields", "other_history"])
+     r"the checkpoint's `maxima` has shape \(4,\), the target's \(16,\)"),
+    (jls.DynamicLossScale(2.0**20, hysteresis=2),
+     jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12),
+     r"state does not fit the target's configuration .*'max_loss_scale': 4096.0.*: "
+     r"`current_loss_scale` must be finite, within \[1.0, 4096.0\], got 1048576.0")],
+    ids=["extra_fields", "missing_fields", "other_history", "beyond_the_targets_limits"])
 def test_a_checkpoint_of_another_loss_scale_is_refused_not_restored_in_part(saved, target, match):
   # Extra fields were dropped (the saved dynamic scale lost), a missing one raised a bare
-  # KeyError, and a history of 4 was restored into a scale configured for 16.
+  # KeyError, a history of 4 was restored into a scale configured for 16, and a scale of
+  # 2**20 into one capped at 2**12, which it then exceeded.
   params = {"w": jnp.ones(3)}
   state = jls.loss_scaling(optax.adam(1e-3), saved).init(params)
   with pytest.raises(ValueError, match=match):

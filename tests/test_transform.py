@@ -982,6 +982,26 @@ def test_loss_scaling_accepts_identifiers_and_rejects_nonsense():
 # --- checkpoints and export ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflowed"])
+def test_an_orbax_checkpoint_restored_into_tighter_limits_follows_them_from_the_next_step(
+    tmp_path, overflow):
+  # orbax restores the leaves unchecked: a scale of 2**20 with hysteresis 2 left, restored
+  # into a scale capped at 2**12 with hysteresis 1, stayed at 2**20 and did not back off.
+  import orbax.checkpoint as ocp
+
+  saved = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20, hysteresis=2))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", saved.init(PARAMS))
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12))
+  with ocp.StandardCheckpointer() as checkpointer:
+    state = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(tx.init, PARAMS))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf if overflow else 1.0), PARAMS)
+  _, state = jax.jit(tx.apply_gradients)(grads, state, PARAMS)
+  # As one capped at 2**12 with hysteresis 1 does: an overflow backs off at once.
+  assert float(state.loss_scale()) == (2.0**11 if overflow else 2.0**12)
+  assert int(state.loss_scale.hysteresis_left) == (0 if overflow else 1)
+
+
 @FUSED
 def test_orbax_checkpoint_resume_continues_bit_identically(tmp_path, fused):
   import orbax.checkpoint as ocp
