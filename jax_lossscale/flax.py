@@ -80,13 +80,22 @@ class TrainState(train_state.TrainState):
     if overwrite:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: _monitoring.if_applied(
           opt_state, grads[OVERWRITE_WITH_GRADIENT], self.params[OVERWRITE_WITH_GRADIENT])}
-    old = _like(kwargs, {k: getattr(self, k) for k in kwargs})
-    kwargs = _monitoring.if_applied(opt_state, kwargs, old)
+    for name, value in kwargs.items():
+      try:
+        kwargs[name] = _monitoring.if_applied(opt_state, value, _like(value, getattr(self, name)))
+      except (TypeError, ValueError) as error:
+        raise type(error)(f"TrainState.apply_gradients: `{name}` must keep the structure, "
+                          f"shapes and dtypes of the state's `{name}` (a skipped step keeps "
+                          f"the old values): {error}") from None
     return self.replace(step=self.step + 1, params=new_params, opt_state=opt_state, **kwargs)
 
 
 def _like(new: Any, old: Any) -> Any:
-  """`old` in `new`'s containers (flax returns dicts where a state may hold FrozenDicts)."""
+  """`old` in `new`'s containers where only the containers differ (flax returns dicts
+  where a state may hold FrozenDicts); else `old` as it is."""
+  paths = lambda tree: [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if paths(new) != paths(old):
+    return old
   return jax.tree.unflatten(jax.tree.structure(new), jax.tree.leaves(old))
 
 

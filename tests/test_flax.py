@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from typing import Any
 
 import chex
 import jax
@@ -11,6 +12,7 @@ import optax
 import pytest
 from flax import linen
 from flax import serialization
+from flax.core import FrozenDict
 from flax.training import train_state
 from helpers import overflow_in_backward
 
@@ -144,6 +146,36 @@ def test_replaced_fields_follow_the_step_decision():
   chex.assert_trees_all_equal(skipped.batch_stats, state.batch_stats)
   applied = state.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats={"mean": jnp.zeros(2)})
   chex.assert_trees_all_equal(applied.batch_stats, {"mean": jnp.zeros(2)})
+
+
+@pytest.mark.parametrize("new_stats, match", [
+    ({"mu": jnp.zeros(2), "var": jnp.zeros(2)}, "`batch_stats` must keep the structure"),
+    ({"mean": jnp.zeros(2)}, "`batch_stats` must keep the structure")],
+    ids=["renamed_key", "one_leaf_fewer"])
+def test_a_replaced_field_of_another_structure_is_refused_naming_it(new_stats, match):
+  # A renamed key got the old values by position on a skipped step ({"mu": old mean}),
+  # and a field with fewer leaves raised JAX's bare "Too many leaves for PyTreeDef".
+  class Stats(TrainState):
+    batch_stats: dict
+
+  state = Stats.create(apply_fn=None, params={"w": jnp.ones(2)},
+                       batch_stats={"mean": jnp.ones(2), "var": jnp.full(2, 9.0)},
+                       tx=jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0)))
+  with pytest.raises(ValueError, match=match):
+    state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}, batch_stats=new_stats)
+
+
+def test_a_frozen_dict_field_replaced_by_a_dict_follows_the_step_decision():
+  class Stats(TrainState):
+    batch_stats: Any
+
+  state = Stats.create(apply_fn=None, params={"w": jnp.ones(2)},
+                       batch_stats=FrozenDict({"mean": jnp.ones(2), "var": jnp.full(2, 9.0)}),
+                       tx=jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(1.0)))
+  new_stats = {"mean": jnp.zeros(2), "var": jnp.zeros(2)}  # what flax's mutable apply returns
+  skipped = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}, batch_stats=new_stats)
+  assert type(skipped.batch_stats) is dict
+  chex.assert_trees_all_equal(skipped.batch_stats, dict(state.batch_stats))
 
 
 def test_loss_scaling_states_round_trip_through_flax_serialization():
