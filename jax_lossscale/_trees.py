@@ -230,7 +230,11 @@ def apply_updates(params: Any, updates: Any) -> Any:
   def apply(p, u):
     if u is None or not is_array(p):
       return p
-    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)  # optax's own rule
+    p, u = jnp.asarray(p), jnp.asarray(u)
+    if p.dtype != u.dtype and 1 in (p.dtype.itemsize, u.dtype.itemsize):  # float8: no
+      wide = jnp.float64 if jnp.float64 in (p.dtype, u.dtype) else jnp.float32  # promotion
+      return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+    return jnp.asarray(p + u).astype(p.dtype)  # optax's own rule
 
   return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)
 

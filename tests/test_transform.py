@@ -446,6 +446,26 @@ def test_narrow_parameters_with_float32_gradients_train_exactly_like_plain_optax
   assert_trees_close(state.inner_state, their_state)
 
 
+@pytest.mark.parametrize("param_dtype, large, beyond", [
+    (jnp.float8_e4m3fn, 400.0, 100.0), (jnp.float8_e5m2, 50000.0, 20000.0)],
+    ids=["float8_e4m3fn", "float8_e5m2"])
+def test_float8_parameters_with_float32_gradients_step_in_float32_and_round_back(
+    param_dtype, large, beyond):
+  # float8 has no implicit promotion: both paths raised JAX's TypePromotionError.
+  params = {"w": jnp.array([-1.0, -0.4, 0.3, large]).astype(param_dtype)}
+  grads = {"w": jnp.full(4, 2.0, jnp.float32)}  # scaled by 4: the gradient is 0.5
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(4.0))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(updates, {"w": jnp.full(4, -0.05, jnp.float32)})
+  stepped, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  expected = (params["w"].astype(jnp.float32) - 0.05).astype(param_dtype)
+  chex.assert_trees_all_equal(stepped, {"w": expected})
+  # A step past the largest float8 value (448, 57344) is skipped, not applied as NaN or inf.
+  stepped, state = tx.apply_gradients({"w": jnp.full(4, -40.0 * beyond)}, state, params)
+  chex.assert_trees_all_equal(stepped, params)
+  assert int(state.nonfinite_update_steps) == 1
+
+
 # --- skipped steps -----------------------------------------------------------------
 
 
