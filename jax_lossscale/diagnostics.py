@@ -216,11 +216,18 @@ def recommend_loss_scale(
   if int(stats["nonzero"]) == 0:
     raise ValueError("recommend_loss_scale: the gradients have no finite non-zero value.")
   dtype = _policy.as_dtype(dtype, "dtype")
+  # The float32 magnitudes from which a conversion overflows, and survives (rounding to
+  # nearest, as `gradient_stats` counts); below float32's smallest normal XLA flushes to
+  # zero (bfloat16's subnormals are lost). A dtype as wide as float32 only bounds them.
   finfo = jnp.finfo(dtype)
-  # Below float32's smallest normal, XLA flushes to zero: bfloat16's subnormals are lost.
-  smallest = max(float(finfo.smallest_subnormal), _numerics.FLOAT32_TINY)
-  max_scale = _power_of_two(_log2_ratio(float(finfo.max), float(stats["max_abs"]), math.floor))
-  min_scale = _power_of_two(_log2_ratio(smallest, float(stats["min_abs"]), math.ceil))
+  overflow = _numerics.first_magnitude(np.float32, dtype, "nonfinite")
+  survives = _numerics.first_magnitude(np.float32, dtype, "nonzero")
+  max_scale = _power_of_two(
+      _log2_ratio(float(finfo.max), float(stats["max_abs"]), math.floor) if overflow is None
+      else _log2_ratio(float(overflow), float(stats["max_abs"]), math.ceil) - 1)  # below it
+  smallest = float(finfo.smallest_subnormal) if survives is None else float(survives)
+  min_scale = _power_of_two(_log2_ratio(max(smallest, _numerics.FLOAT32_TINY),
+                                        float(stats["min_abs"]), math.ceil))
   if not _numerics.has_short_range(dtype):
     recommended = max(min(min_scale, max_scale), 1.0)  # float32's range: raise only if needed
   else:

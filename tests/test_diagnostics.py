@@ -173,6 +173,30 @@ def test_advisor_finds_the_power_of_two_range_and_keeps_headroom():
   assert advice.underflow_fraction == 0 and advice.overflow_fraction == 0
 
 
+def test_advisor_bounds_round_as_the_conversion_does():
+  # float16 rounds [2**-25, 2**-24) up to its smallest subnormal and (65504, 65520) down to
+  # its largest value: each bound was one doubling off (min_scale 2, max_scale 1).
+  advise = lambda *g: jls.diagnostics.recommend_loss_scale({"g": jnp.array(g)}, headroom=1)
+  assert advise(1.5 * 2.0**-25, 1.0).min_scale == 1.0
+  assert advise(32755.0).max_scale == 2.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_advisor_bounds_are_the_scales_where_gradient_stats_sees_the_first_loss(dtype):
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    grads = {"g": jnp.asarray(np.exp(rng.uniform(-20, 5, size=5)), jnp.float32)}
+    advice = jls.diagnostics.recommend_loss_scale(grads, dtype, headroom=1)
+    at = lambda scale, grads=grads: jls.diagnostics.gradient_stats(grads, dtype, scale)
+    assert float(at(advice.max_scale)["overflow_fraction"]) == 0
+    if advice.max_scale < 2.0**127:  # else the largest float32 power of two
+      assert float(at(2 * advice.max_scale)["overflow_fraction"]) > 0
+    if advice.min_scale > 2.0**-126:
+      assert float(at(advice.min_scale)["underflow_fraction"]) == 0
+      if dtype != jnp.bfloat16:  # whose subnormals (float32's) XLA flushes: kept above them
+        assert float(at(advice.min_scale / 2)["underflow_fraction"]) > 0
+
+
 def test_advisor_when_the_range_is_empty_prefers_no_overflow():
   grads = {"g": jnp.array([2.0**-40, 1.0], jnp.float32)}
   advice = jls.diagnostics.recommend_loss_scale(grads)
