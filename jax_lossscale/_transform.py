@@ -160,8 +160,8 @@ def loss_scaling(
       gradients, as optax's would be. Around `optax.MultiSteps` it clips each micro-batch.
 
   Returns:
-    A `LossScalingTransformation`; extra keyword arguments other than `loss` are passed
-    on to `inner`.
+    A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
+    go to `inner` (`grad=`, for optax's line searches, unscaled like the gradients).
 
   Raises:
     TypeError: if `inner` is not an optax transformation, or already a `loss_scaling`.
@@ -206,7 +206,7 @@ class _Step:
       the step without changing the loss scale (`nonfinite_loss_steps`).
     probes: optional, what the backward pass measured (`scaled_value_and_grad(...,
       probes=True)`), for a `MeasuredLossScale` to set the next scale from.
-    **extra_args: passed on to the inner transformation.
+    **extra_args: passed on to the inner transformation; `grad=` (line searches) unscaled.
 
   Returns:
     `(updates, new_state)`; the updates are `-0.0` on a skipped step.
@@ -252,10 +252,12 @@ class _Step:
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
+      unscaled = {k: _trees.rescale_floats(v, decision.unscaling) if k == "grad" else v
+                  for k, v in extra_args.items()}
       try:
         updates, inner_state = self._inner.update(
             _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
-            **extra_args)
+            **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
         error.add_note("loss_scaling: raised by the inner optimizer. If `state` was made by "
                        "another optimizer's init, pass this transformation's (tx.init).")
@@ -300,8 +302,7 @@ def _traced_once(run, static, inputs):
   return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
 
 
-def _narrow_finite(updates: Any, axis_name, params: Any = None, new_params: Any = None
-                   ) -> jax.Array | None:
+def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Array | None:
   """Whether updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in float16),
   `None` if none. A narrow parameter's new value (`new_params`', else `apply_updates`')
   is checked instead where it was finite (60000 + 10000 is inf in float16)."""

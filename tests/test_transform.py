@@ -411,6 +411,29 @@ def test_no_op_loss_scale_still_skips_non_finite_steps(fused, branch):
   assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 1.0
 
 
+def test_lbfgs_given_the_scaled_gradients_as_grad_steps_like_plain_optax():
+  # optax's line searches take `grad=` beside `value=` and `value_fn=`; it reached them
+  # still scaled, and lbfgs took other steps than optax's own (a 1e-3 relative error).
+  def rosenbrock(p):
+    x = p["w"]
+    return jnp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+  start, inner = {"w": jnp.array([-1.2, 1.0, 0.5])}, optax.lbfgs()
+  theirs, their_state = start, inner.init(start)
+  for _ in range(3):
+    value, grads = jax.value_and_grad(rosenbrock)(theirs)
+    updates, their_state = inner.update(grads, their_state, theirs, value=value, grad=grads,
+                                        value_fn=rosenbrock)
+    theirs = optax.apply_updates(theirs, updates)
+  tx = jls.loss_scaling(inner, jls.FixedLossScale(1024.0))
+  ours, state = start, tx.init(start)
+  for _ in range(3):
+    loss, grads = jls.scaled_value_and_grad(rosenbrock)(state, ours)
+    ours, state = tx.apply_gradients(grads, state, ours, loss=loss, value=loss, grad=grads,
+                                     value_fn=rosenbrock)
+  assert_trees_close(ours, theirs)
+
+
 # --- mixed dtypes: narrow parameters, float32 gradients ---------------------------------
 
 MIXED_INNERS = {"adam": optax.adam(1e-2), "sgd_momentum": optax.sgd(0.1, momentum=0.9),
