@@ -198,6 +198,8 @@ def negative_zeros_like(tree: Any, like: Any = None) -> Any:
   def negative_zeros(x, template):
     if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
       return x
+    if x.dtype == jax.dtypes.float0:  # an integer's gradient: no value to skip
+      return np.zeros(x.shape, x.dtype)
     if is_array(template) and template.shape == x.shape:
       zeros = -jnp.zeros_like(template, dtype=x.dtype)
     else:
@@ -228,8 +230,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
   pass through, so a whole equinox module can be given, as to `eqx.apply_updates`."""
 
   def apply(p, u):
-    if u is None or not is_array(p):
-      return p
+    if u is None or not is_array(p) or jnp.result_type(u) == jax.dtypes.float0:
+      return p  # a float0 update: an integer parameter's gradient, no step
     p, u = jnp.asarray(p), jnp.asarray(u)
     if p.dtype != u.dtype and 1 in (p.dtype.itemsize, u.dtype.itemsize):  # float8: no
       wide = jnp.float64 if jnp.float64 in (p.dtype, u.dtype) else jnp.float32  # promotion

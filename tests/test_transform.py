@@ -434,6 +434,28 @@ def test_lbfgs_given_the_scaled_gradients_as_grad_steps_like_plain_optax():
   assert_trees_close(ours, theirs)
 
 
+def test_integer_parameters_with_float0_gradients_pass_through_both_paths(maybe_jit):
+  # jax.grad(allow_int=True) gives an integer parameter a float0 gradient, which
+  # optax.masked passes through; update raised a NumPy ufunc error making the skipped
+  # step's -0.0 of it, and apply_gradients JAX's "Called add with a float0 array".
+  params = {"w": jnp.ones(3), "n": jnp.array(3, jnp.int32)}
+  inner = optax.masked(optax.adam(1e-2), {"w": True, "n": False})
+  loss = lambda p: jnp.sum(p["w"]) * p["n"]
+  tx = jls.loss_scaling(inner, jls.FixedLossScale(8.0))
+  grads = jax.grad(lambda p: 8.0 * loss(p), allow_int=True)(params)
+  assert grads["n"].dtype == jax.dtypes.float0
+  expected, _ = inner.update(jax.grad(loss, allow_int=True)(params), inner.init(params), params)
+  updates, state = maybe_jit(tx.update)(grads, tx.init(params), params)
+  assert_trees_close(updates["w"], expected["w"])
+  assert updates["n"].dtype == jax.dtypes.float0
+  stepped, _ = maybe_jit(tx.apply_gradients)(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(stepped, {"w": params["w"] + expected["w"], "n": params["n"]})
+  overflowed = dict(grads, w=grads["w"].at[0].set(jnp.inf))
+  updates, state = maybe_jit(tx.update)(overflowed, state, params)
+  chex.assert_trees_all_equal(updates["w"], jnp.full(3, -0.0))
+  assert updates["n"].dtype == jax.dtypes.float0 and int(state.skipped_steps) == 1
+
+
 # --- mixed dtypes: narrow parameters, float32 gradients ---------------------------------
 
 MIXED_INNERS = {"adam": optax.adam(1e-2), "sgd_momentum": optax.sgd(0.1, momentum=0.9),
