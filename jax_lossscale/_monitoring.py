@@ -195,10 +195,11 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   scale = float(read(state.loss_scale()))
   floor = getattr(state.loss_scale, "min_loss_scale", None)
   at_floor = floor is not None and scale <= floor
+  diverges = at_floor or scale <= 1  # no scale can make them finite
   losses = int(read(state.consecutive_nonfinite_loss))
   updates = int(read(state.consecutive_nonfinite_updates))
   causes = [(losses, _LOSS), (updates, _UPDATES),
-            (consecutive - losses - updates, _DIVERGES if at_floor else _OVERFLOWS)]
+            (consecutive - losses - updates, _DIVERGES if diverges else _OVERFLOWS)]
   causes = [(n, text) for n, text in causes if n]
   if len(causes) == 1:
     cause = causes[0][1]

@@ -153,6 +153,17 @@ def test_raise_if_stuck_knows_the_floor_of_every_scale_that_backs_off():
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
+@pytest.mark.parametrize("loss_scale", [jls.NoOpLossScale(), jls.FixedLossScale(1.0)],
+                         ids=["no_op", "fixed_at_1"])
+def test_raise_if_stuck_at_scale_1_blames_the_model_not_the_scale(loss_scale):
+  # A bfloat16 run (no scaling) whose gradients are all NaN was told "the gradients keep
+  # overflowing", pointing at a loss scale that scales nothing.
+  state = steps(jls.loss_scaling(optax.sgd(0.1), loss_scale), [(BAD, None)] * 3)
+  with pytest.raises(jls.LossScaleStuckError,
+                     match=r"scale 1\. Likely cause: the unscaled gradients are inf/NaN"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3)
+
+
 def test_raise_if_stuck_blames_the_current_streak_not_the_running_totals():
   # 5 steps with a NaN loss, a clean step, then 5 overflows: the loss is not to blame.
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20))
