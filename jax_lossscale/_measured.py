@@ -134,7 +134,8 @@ class MeasuredLossScale(LossScale):
     # parameter gradients stayed finite) is an overflow too.
     unscaled = jnp.asarray(measured, jnp.float32) / scale
     overflow = ~(finite & jnp.isfinite(unscaled))
-    unscaled = jnp.where(overflow, 2 * limit / scale, unscaled)
+    unscaled = jnp.where(overflow, jnp.minimum(2 * limit / scale, _numerics.FLOAT32_MAX),
+                         unscaled)  # finite: a checkpoint's `maxima` are checked finite
     maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)
     largest = jnp.max(maxima)
     target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,

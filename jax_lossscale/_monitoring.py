@@ -169,7 +169,7 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   A host-side check: it reads a few scalars from the device, so call it at your logging
   cadence, not inside the jitted step. The cause named is that of the current run of
   skipped steps: a non-finite loss, non-finite updates from finite gradients, or
-  overflowing gradients (at the minimum scale: a model that diverges).
+  overflowing gradients (at the minimum scale, or at 1 or below: a model that diverges).
 
   Args:
     opt_state: what `metrics` takes.
@@ -195,7 +195,7 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   scale = float(read(state.loss_scale()))
   floor = getattr(state.loss_scale, "min_loss_scale", None)
   at_floor = floor is not None and scale <= floor
-  diverges = at_floor or scale <= 1  # no scale can make them finite
+  diverges = at_floor or scale <= 1  # unscaled gradients inf/NaN: a smaller scale rarely helps
   losses = int(read(state.consecutive_nonfinite_loss))
   updates = int(read(state.consecutive_nonfinite_updates))
   causes = [(losses, _LOSS), (updates, _UPDATES),

@@ -252,8 +252,8 @@ class _Step:
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
-      unscaled = {k: _trees.rescale_floats(v, decision.unscaling) if k == "grad" else v
-                  for k, v in extra_args.items()}
+      unscaled = {k: _trees.rescale_floats(v, state.loss_scale._unscaling()) if k == "grad"
+                  else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
       try:
         updates, inner_state = self._inner.update(
             _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,

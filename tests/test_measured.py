@@ -2,6 +2,7 @@
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +210,18 @@ def test_nans_no_scale_avoids_do_not_drive_the_scale_down():
     loss_scale = loss_scale._next(jnp.array(not nan), jnp.float32(seen))
     scales.append(float(loss_scale()))
   assert min(scales) == 2.0**14 and scales[120 + 4:] == [2.0**15] * (150 - 124)
+
+
+def test_an_overflow_at_a_tiny_scale_keeps_the_history_finite_so_it_restores():
+  # Below about 4e-34 the overflow's record, twice float16's maximum over the scale, was
+  # inf, and a flax checkpoint of the state was refused as not finite.
+  from flax import serialization
+
+  import jax_lossscale.flax  # noqa: F401 (registers the loss scales)
+
+  scale = jls.MeasuredLossScale(initial_loss_scale=2.0**-120, min_loss_scale=2.0**-126,
+                                max_loss_scale=2.0**-100)
+  after, _ = scale.update({"g": jnp.array([jnp.inf])})
+  assert np.isfinite(np.asarray(after.maxima)).all()
+  restored = serialization.from_bytes(scale, serialization.to_bytes(after))
+  chex.assert_trees_all_equal(restored, after)

@@ -411,21 +411,24 @@ def test_no_op_loss_scale_still_skips_non_finite_steps(fused, branch):
   assert int(state.skipped_steps) == 1 and float(state.loss_scale()) == 1.0
 
 
-def test_lbfgs_given_the_scaled_gradients_as_grad_steps_like_plain_optax():
+@pytest.mark.parametrize("max_norm", [None, 1.0], ids=["unclipped", "clipped"])
+def test_lbfgs_given_the_scaled_gradients_as_grad_steps_like_plain_optax(max_norm):
   # optax's line searches take `grad=` beside `value=` and `value_fn=`; it reached them
   # still scaled, and lbfgs took other steps than optax's own (a 1e-3 relative error).
+  # With clipping, optax's chain clips the updates only: `grad=` is unclipped.
   def rosenbrock(p):
     x = p["w"]
     return jnp.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
 
   start, inner = {"w": jnp.array([-1.2, 1.0, 0.5])}, optax.lbfgs()
-  theirs, their_state = start, inner.init(start)
+  clipped = inner if max_norm is None else optax.chain(optax.clip_by_global_norm(max_norm), inner)
+  theirs, their_state = start, clipped.init(start)
   for _ in range(3):
     value, grads = jax.value_and_grad(rosenbrock)(theirs)
-    updates, their_state = inner.update(grads, their_state, theirs, value=value, grad=grads,
-                                        value_fn=rosenbrock)
+    updates, their_state = clipped.update(grads, their_state, theirs, value=value, grad=grads,
+                                          value_fn=rosenbrock)
     theirs = optax.apply_updates(theirs, updates)
-  tx = jls.loss_scaling(inner, jls.FixedLossScale(1024.0))
+  tx = jls.loss_scaling(inner, jls.FixedLossScale(1024.0), clip_by_global_norm=max_norm)
   ours, state = start, tx.init(start)
   for _ in range(3):
     loss, grads = jls.scaled_value_and_grad(rosenbrock)(state, ours)

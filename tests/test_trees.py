@@ -130,3 +130,17 @@ def test_registered_dataclasses_keep_every_static_field_and_skip_their_construct
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
       Checked(8.0))]
   assert paths == [".value"]
+
+
+def test_apply_updates_wraps_narrow_integers_as_optax_and_widens_only_float8():
+  # The float8 path (add in float32, round back) caught int8 and uint8 parameters too,
+  # which then saturated where optax's rule wraps.
+  params = {"c": jnp.array([100, 0, -100], jnp.int8), "u": jnp.array([0, 200, 5], jnp.uint8),
+            "f": jnp.array([1.0, -2.0], jnp.float8_e4m3fn)}
+  updates = {"c": jnp.array([100, 2**24 + 1, -100], jnp.int32),
+             "u": jnp.array([2**24 + 1, 100, -10], jnp.int32), "f": jnp.array([0.5, 0.25])}
+  ours = _trees.apply_updates(params, updates)
+  integers = lambda tree: {k: tree[k] for k in ("c", "u")}
+  chex.assert_trees_all_equal(integers(ours),
+                              optax.apply_updates(integers(params), integers(updates)))
+  chex.assert_trees_all_equal(ours["f"], jnp.array([1.5, -1.75], jnp.float8_e4m3fn))
