@@ -93,23 +93,27 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   """
   from flax import linen
 
-  def interceptor(roots, next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
+  def interceptor(roots, applied, next_fun, args, kwargs, context):
+    # The model applied is the module of empty path being called (a module cloned by a
+    # lifted transform, `nn.remat(nn.Dense)`, has a Scope for parent but a path).
+    top = not context.module.path
+    applied += [type(context.module)] if top else []
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      del applied[len(applied) - top:]
     if context.method_name != "__call__":
       return out
-    root = context.module
-    while isinstance(root.parent, linen.Module):
-      root = root.parent
-    roots.setdefault(type(root), len(roots))  # in the order met, alike in both passes
-    path = context.module.path if not roots[type(root)] else (
-        type(root).__name__, *context.module.path)
+    root = applied[-1] if applied else type(context.module)
+    roots.setdefault(root, len(roots))  # in the order met, alike in both passes
+    path = context.module.path if not roots[root] else (root.__name__, *context.module.path)
     return probe_output(out, "/".join(path) or type(context.module).__name__)
 
   @functools.wraps(fun)
   def probed(*args, **kwargs):
     if not _probes.probing():
       return fun(*args, **kwargs)
-    with linen.intercept_methods(functools.partial(interceptor, {})):
+    with linen.intercept_methods(functools.partial(interceptor, {}, [])):
       return fun(*args, **kwargs)
 
   return probed

@@ -27,6 +27,7 @@ from jax.extend.core import Literal
 
 from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
+from jax_lossscale import _validation
 
 LOSS = "<loss>"  # where an overflow after the last probe began
 _MARK = 1 << 30  # a hit's marker in the first pass's program: _MARK + its number
@@ -72,16 +73,14 @@ _SESSION = jax.make_user_context(None)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
-  """First pass: records each probe's name and length, and each hit in trace order
-  (with its index, if a Python int), marked in the program so that the loop around it
-  can be found (`_forward_order`)."""
+  """First pass: each probe's name and length, each hit in trace order (its index if a
+  Python int), marked in the program to find the loops around it (`_forward_order`)."""
   lengths: dict[str, int | None]
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
   views: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_views`
   used: set = dataclasses.field(default_factory=set, kw_only=True)  # of those options
-  # What probes returned (by id, kept alive): a tensor already probed is not probed again,
-  # as a module's output that is its last submodule's.
+  # What probes returned (by id, kept alive): not probed again (a module's last output).
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
 
   def probe(self, x, name, index, length):
@@ -101,9 +100,8 @@ class _Measurement:
   views: bool = dataclasses.field(default=True, kw_only=True)
 
   def probe(self, x, name, index, length):
-    if name not in self.stats:
-      raise ValueError(f"probe {name!r} was not reached when the function was first "
-                       "traced; a function must reach the same probes on every trace.")
+    if name not in self.stats:  # the first pass saw `x` as probed already: an identity
+      return x  # (equinox's MLP's) returned the same tracer there, a new one under `grad`
     row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
     return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]))
@@ -132,14 +130,7 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   Returns:
     `x`.
   """
-  if index is not None and length is None:
-    raise ValueError(f"probe {name!r}: index={index!r} needs length=, the number of rows.")
-  if length is not None and (not isinstance(length, int) or length <= 0):
-    raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
-  if isinstance(index, (int, np.integer)) and not 0 <= index < length:
-    raise ValueError(f"probe {name!r}: index={index} is not in [0, length={length}).")
-  if not (hasattr(x, "dtype") or isinstance(x, (int, float, complex))):
-    raise TypeError(f"probe {name!r}: `x` must be an array, got {type(x).__name__}.")
+  _validation.probe_args(x, name, index, length)
   session = _SESSION.value
   if session is None or id(x) in session.returned or not jnp.issubdtype(
       jnp.result_type(x), jnp.floating):
@@ -237,7 +228,9 @@ def value_and_grad_with_probes(
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
       return value, grads, Probes((), (), (), ())
-    first = (argnums if isinstance(argnums, int) else argnums[0]) % len(args)
+    single = isinstance(argnums, int) or hasattr(argnums, "argnum")  # nnx.DiffState
+    first = getattr(argnums if single else argnums[0], "argnum", argnums if single
+                    else argnums[0]) % len(args)
 
     def measured(*packed, **kw):
       unpacked = list(packed)
@@ -248,8 +241,8 @@ def value_and_grad_with_probes(
     packed = list(args)
     packed[first] = (args[first], stats)
     value, grads = value_and_grad(measured, has_aux=has_aux, **extra)(*packed, **kwargs)
-    (first_grads, cotangents), *rest = (grads,) if isinstance(argnums, int) else grads
-    grads = first_grads if isinstance(argnums, int) else (first_grads, *rest)
+    (first_grads, cotangents), *rest = (grads,) if single else grads
+    grads = first_grads if single else (first_grads, *rest)
     lengths = tuple(v.shape[0] if v.ndim == 3 else None for v in stats.values())
     return value, grads, Probes(tuple(stats), lengths, order,
                                 tuple(map(cotangents.get, stats)))
@@ -302,39 +295,43 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   return stats, _forward_order(session, _loops(program.jaxpr))
 
 
-def _loops(jaxpr, loop: tuple | None = None, found: dict | None = None) -> dict[int, Any]:
-  """Hit -> the innermost `scan` or `while` around it, `(id, reverse)`, from the hits'
-  markers (a `scan(..., reverse=True)` runs its rows last to first)."""
+def _loops(jaxpr, chain: tuple = (), found: dict | None = None) -> dict[int, tuple]:
+  """Hit -> the `scan`s and `while`s around it, outermost first, from the hits' markers:
+  `(id, reverse, length)` (a `scan(..., reverse=True)` runs its rows last to first)."""
   found = {} if found is None else found
   for eqn in jaxpr.eqns:
     tag = eqn.invars[-1] if eqn.primitive.name == "optimization_barrier" else None
     # A marker is an int32 literal (a `jax.grad` inside the loss adds float0 ones).
     if isinstance(tag, Literal) and tag.aval.dtype == np.int32 and int(tag.val) >= _MARK:
-      found[int(tag.val) - _MARK] = loop
+      found[int(tag.val) - _MARK] = chain
     looping = eqn.primitive.name in ("scan", "while")
-    inner = (id(eqn), bool(eqn.params.get("reverse", False))) if looping else loop
+    inner = (*chain, (id(eqn), bool(eqn.params.get("reverse", False)),
+                      eqn.params.get("length"))) if looping else chain
     for sub in jax.tree.leaves(eqn.params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
       if isinstance(sub, (ClosedJaxpr, Jaxpr)):
         _loops(getattr(sub, "jaxpr", sub), inner, found)
   return found
 
 
-def _forward_order(session: _Discovery, loops: dict[int, int | None]) -> tuple:
+def _forward_order(session: _Discovery, loops: dict[int, tuple]) -> tuple:
   """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
   a loop's index, of every probe of that loop body (by length) interleaved, last to
-  first for a reversed scan."""
+  first for a reversed scan. The loop is the innermost around the hit that runs `length`
+  times (a recurrence scanned inside a layer is not the layers' loop), else the innermost."""
   lengths, bodies, order = session.lengths, {}, {}
+  loop = lambda k, n: ([x for x in loops.get(k, ()) if x[2] == n] or [None, *loops.get(k, ())])[-1]
   for k, (name, index) in enumerate(session.hits):
-    if lengths[name] is not None and index is None and loops.get(k) is not None:
-      members = bodies.setdefault((loops[k], lengths[name]), [])
+    if lengths[name] is not None and index is None and loop(k, lengths[name]) is not None:
+      members = bodies.setdefault((loop(k, lengths[name]), lengths[name]), [])
       members += [] if name in members else [name]
   for k, (name, index) in enumerate(session.hits):
     length = lengths[name]
     if length is None or index is not None:
       order.setdefault((name, index), None)
     else:
-      names = bodies.get((loops.get(k), length), [name])
-      rows = range(length)[::-1] if loops.get(k) and loops[k][1] else range(length)
+      where = loop(k, length)
+      names = bodies.get((where, length), [name])
+      rows = range(length)[::-1] if where and where[1] else range(length)
       order.update(dict.fromkeys((n, r) for r in rows for n in names))
   for name, length in lengths.items():  # rows never hit
     order.update(dict.fromkeys((name, r) for r in range(length or 0)))

@@ -1,5 +1,6 @@
-"""Checks of hyperparameters and state given to constructors (a step's own arguments are
-checked in `_step_args`): every error names the argument, the value and what is allowed.
+"""Checks of hyperparameters and state given to constructors, and of a probe's arguments
+(a step's own are checked in `_step_args`): every error names the argument, the value and
+what is allowed.
 
 A loss scale keeps its scale in float32 and its counters in int32, so every number is
 checked as that dtype will see it: a value that is finite as a Python float but inf in
@@ -285,3 +286,21 @@ def dynamic_config(config: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"`initial_loss_scale` must be <= `max_loss_scale` ({high!r}), got "
                      f"{config['initial_loss_scale']!r}.")
   return checked
+
+
+def probe_args(x: Any, name: Any, index: Any, length: Any) -> None:
+  """`diagnostics.probe`'s arguments: a str name, a row `index` in `[0, length)` (checked
+  when concrete) given with a positive int `length`, and an array (or a number) `x`."""
+  if not isinstance(name, str):
+    raise TypeError(f"probe: `name` must be a str, got {name!r}.")
+  if (index is None) != (length is None):
+    raise ValueError(f"probe {name!r}: index={index!r} and length={length!r} go together: "
+                     "the row of this hit and the number of rows.")
+  if length is not None and (type(length) is not int or length <= 0):
+    raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
+  concrete = None if index is None or isinstance(index, jax.core.Tracer) else np.asarray(index)
+  if concrete is not None and not (concrete.ndim == 0 and np.issubdtype(
+      concrete.dtype, np.integer) and 0 <= concrete < length):
+    raise ValueError(f"probe {name!r}: index={index!r} must be an int in [0, length={length}).")
+  if not (hasattr(x, "dtype") or isinstance(x, (int, float, complex))):
+    raise TypeError(f"probe {name!r}: `x` must be an array, got {type(x).__name__}.")

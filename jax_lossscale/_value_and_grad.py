@@ -112,7 +112,7 @@ def scaled_value_and_grad(
 
     if probes:
       *result, measurements = _probes.value_and_grad_with_probes(
-          value_and_grad, scaled, argnums, has_aux=True)(*args, **kwargs)
+          _checked(value_and_grad), scaled, argnums, has_aux=True)(*args, **kwargs)
     else:
       result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
     value, grads = _value_and_grads(tuple(result), value_and_grad)
@@ -152,6 +152,17 @@ def _misplaced_state(args: tuple, kwargs: dict) -> str | None:
   where = [f"argument {i + 2}" for i, a in enumerate(args) if holds_state(a)]
   where += [f"`{k}=`" for k, v in kwargs.items() if holds_state(v)]
   return where[0] if where else None
+
+
+def _checked(value_and_grad: Callable) -> Callable:
+  """`value_and_grad`, whose result is checked before the probes' cotangents are read."""
+  def checked(f, **kwargs):
+    def call(*args, **kw):
+      result = value_and_grad(f, **kwargs)(*args, **kw)
+      _value_and_grads(result, value_and_grad)
+      return result
+    return call
+  return checked if value_and_grad is not jax.value_and_grad else value_and_grad
 
 
 def _value_and_grads(result: Any, value_and_grad: Callable) -> tuple[_Value, Any]:

@@ -15,6 +15,7 @@ from helpers import mse
 from helpers import scale_backward
 from jax import lax
 
+import jax_lossscale as jls
 from jax_lossscale import _probe_equinox as pe
 from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
@@ -243,3 +244,20 @@ def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
   with pytest.raises(TypeError, match="dot_general") as raised:
     pr.value_and_grad_with_probes(jax.value_and_grad, pe.equinox_probes(loss))(diff, X)
   assert "equinox views" in "".join(getattr(raised.value, "__notes__", []))
+
+
+def test_equinox_mlp_on_one_example_is_probed_layer_by_layer():
+  # Its identity final activation, through filter_vmap, returned the tracer it was given
+  # in the first pass (already probed: skipped) and a new one under differentiation: the
+  # second pass reached a probe the first had not, and raised.
+  model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+  loss = lambda model, x: jnp.sum(model(x) ** 2)
+  state = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(1.0)).init(
+      eqx.filter(model, eqx.is_inexact_array))
+  grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=eqx.filter_value_and_grad,
+                                      probes=True)
+  value, grads, probes = eqx.filter_jit(grad_fn)(state, model, jnp.ones(4))
+  assert list(probes) == ["layers/0", "layers/1", "layers/2"]
+  assert all(int(probes[name].hits) == 1 for name in probes)
+  chex.assert_trees_all_equal(
+      (value, grads), eqx.filter_value_and_grad(loss)(model, jnp.ones(4)))

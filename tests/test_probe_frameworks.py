@@ -120,6 +120,27 @@ def test_linen_a_scanned_module_sums_its_layers_into_one_row():
   assert int(probes["blocks"].hits) == 3 and probes["blocks"].hits.shape == ()
 
 
+def test_linen_modules_under_lifted_transforms_are_named_by_their_path_in_the_params():
+  # A module cloned by a lifted transform has a Scope for parent: it was taken for a model
+  # of its own, and the model applied for a second one ("M/Dense_0", "Dense/...").
+  class Lifted(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      body = lambda block, h, _: (block(h), None)
+      scan = linen.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=2)
+      h = scan(LinenBlock(name="blocks"), x, None)[0]
+      h = linen.remat(linen.Dense)(8, dtype=F16)(h)
+      return linen.Dense(8, dtype=F16)(linen.tanh(h))
+
+  model, x = Lifted(), jnp.ones((2, 8), F16)
+  params = model.init(jax.random.key(0), x)["params"]
+  probes = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))(
+      params, model, x, x)[2]
+  assert list(probes) == ["blocks/dense", "blocks", "CheckpointDense_0", "Dense_0"]
+  assert set(params) == {"blocks", "CheckpointDense_0", "Dense_0"}
+
+
 def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   model = LinenMLP()
   params = model.init(jax.random.key(0), X)["params"]

@@ -261,6 +261,29 @@ def test_a_reversed_scan_lists_its_rows_in_the_order_they_ran_and_names_the_culp
   assert probes.order == (("block", 3), ("block", 2), ("block", 1), ("block", 0))
   assert diagnostics.backward_overflow_origin(probes) == "block[1]"
 
+@pytest.mark.parametrize("inner_reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("outer_reverse", [False, True], ids=["layers", "layers_reversed"])
+def test_a_recurrence_scanned_inside_a_layer_keeps_its_rows_with_the_layers(
+    outer_reverse, inner_reverse):
+  # The rows followed the innermost scan (a recurrence of 2 steps), not the layers' scan
+  # that slices the index: out of order, reversed with the recurrence, and the overflow
+  # made in layer 1 (by what consumes blk[1], the recurrence: named by its probe) was
+  # named "<loss>".
+  def loss(ws, x):
+    def layer(h, a):
+      i, w = a
+      h = scale_backward(pr.probe(h * w, "blk", index=i, length=3), jnp.where(i == 1, jnp.inf, 1))
+      step = lambda h, _: (pr.probe(jnp.tanh(h), "sub", index=i, length=3), None)
+      return lax.scan(step, h, jnp.arange(2), reverse=inner_reverse)[0], None
+    return jnp.sum(lax.scan(layer, x, (jnp.arange(3), ws), reverse=outer_reverse)[0])
+
+  probes = with_probes(loss)(jnp.array([1.0, 0.5, 0.25]), jnp.ones(4))[2]
+  rows = [2, 1, 0] if outer_reverse else [0, 1, 2]
+  assert probes.order == tuple((name, r) for r in rows for name in ("blk", "sub"))
+  assert diagnostics.backward_overflow_origin(probes) == "sub[1]"
+  assert [int(h) for h in probes["sub"].hits] == [2, 2, 2]
+
+
 INNER = {  # a second probe in the decoder's body, after its own
     "none": None,
     "checkpoint": lambda h, i: jax.checkpoint(
@@ -361,11 +384,22 @@ def test_equinox_and_nnx_transforms_get_the_stats_with_their_first_argument():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"index": 0}, "index=0 needs length"), ({"index": 0, "length": 0}, "length=0 must be"),
-    ({"index": 2, "length": 2}, r"index=2 is not in \[0, length=2\)")])
+    ({"index": 0}, "index=0 and length=None go together"),
+    ({"length": 3}, "index=None and length=3 go together"),  # failed on a dtype of None
+    ({"index": 0, "length": 0}, "length=0 must be a positive int"),
+    ({"index": 0, "length": True}, "length=True must be a positive int"),  # was 1 row
+    ({"index": 2, "length": 2}, r"index=2 must be an int in \[0, length=2\)"),
+    ({"index": jnp.int32(7), "length": 3}, r"must be an int in \[0, length=3\)")])  # clamped
 def test_probe_arguments_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     with_probes(lambda w: jnp.sum(pr.probe(w, "p", **kwargs)))(jnp.ones(2))
+
+
+@pytest.mark.parametrize("name", [3, ("a", "b")])
+def test_a_probe_name_that_is_not_a_string_is_refused(name):
+  # It was accepted, and diagnostics.table failed on it later.
+  with pytest.raises(TypeError, match="`name` must be a str"):
+    with_probes(lambda w: jnp.sum(pr.probe(w, name)))(jnp.ones(2))
 
 
 def test_arguments_given_by_keyword_only_are_refused_naming_argnums():

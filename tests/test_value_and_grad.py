@@ -122,12 +122,31 @@ def test_the_wrapper_is_named_after_the_loss_function():
   assert jls.scaled_value_and_grad(loss_fn).__name__ == "scaled_value_and_grad(loss_fn)"
 
 
-def test_a_value_and_grad_that_returns_only_gradients_is_refused_naming_it():
-  # jax.grad failed with "iteration over a 0-d array" from deep inside.
+@pytest.mark.parametrize("probes", [False, True], ids=["unprobed", "probed"])
+def test_a_value_and_grad_that_returns_only_gradients_is_refused_naming_it(probes):
+  # jax.grad failed with "iteration over a 0-d array" from deep inside; with probes, with
+  # "'NoneType' object has no attribute 'get'".
   with pytest.raises(TypeError, match=r"`value_and_grad` must return \(\(value, aux\), grads\)"
                                       r".*jax.grad returns only the gradients"):
-    jls.scaled_value_and_grad(loss_fn, value_and_grad=jax.grad)(
+    jls.scaled_value_and_grad(loss_fn, value_and_grad=jax.grad, probes=probes)(
         state_with_scale(2.0), PARAMS, jnp.ones(3))
+
+
+def test_nnx_diff_state_as_argnums_is_probed_as_its_argument():
+  # `first = argnums[0]` raised "'DiffState' object is not subscriptable" with probes.
+  from flax import nnx
+
+  model, x = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((2, 4))
+  loss = lambda model, x: jnp.mean(model(x) ** 2)
+  state = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(4.0)).init(
+      nnx.state(model, nnx.Param))
+  grad_fn = lambda argnums: jls.scaled_value_and_grad(
+      loss, argnums=argnums, value_and_grad=nnx.value_and_grad, probes=True)(state, model, x)
+  (value, grads, probes), (value_0, grads_0, probes_0) = grad_fn(
+      nnx.DiffState(0, nnx.Param)), grad_fn(0)
+  chex.assert_trees_all_equal((value, grads), (value_0, grads_0))
+  assert list(probes) == ["Linear"] and int(probes["Linear"].hits) == 1
+  chex.assert_trees_all_equal(probes, probes_0)
 
 
 def test_axis_name_averages_the_loss_and_the_gradients_across_replicas():
