@@ -95,19 +95,26 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
 
   def interceptor(roots, applied, next_fun, args, kwargs, context):
     # The model applied is the module of empty path being called (a module cloned by a
-    # lifted transform, `nn.remat(nn.Dense)`, has a Scope for parent but a path).
-    top = not context.module.path
-    applied += [type(context.module)] if top else []
+    # lifted transform, `nn.remat(nn.Dense)`, has a Scope for parent but a path; one
+    # sharing its parent's scope, `nn.share_scope`, a Module for parent).
+    module = context.module
+    top = not module.path and not isinstance(module.parent, linen.Module)
+    applied += [type(module)] if top else []
     try:
       out = next_fun(*args, **kwargs)
     finally:
       del applied[len(applied) - top:]
     if context.method_name != "__call__":
       return out
-    root = applied[-1] if applied else type(context.module)
+    root = applied[-1] if applied else _linen_root(module)  # `method=lambda m: m.encoder`
     roots.setdefault(root, len(roots))  # in the order met, alike in both passes
     path = context.module.path if not roots[root] else (root.__name__, *context.module.path)
     return probe_output(out, "/".join(path) or type(context.module).__name__)
+
+  def _linen_root(module):
+    while isinstance(module.parent, linen.Module):
+      module = module.parent
+    return type(module)
 
   @functools.wraps(fun)
   def probed(*args, **kwargs):

@@ -21,16 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr
-from jax.extend.core import Jaxpr
-from jax.extend.core import Literal
 
+from jax_lossscale import _probe_order
 from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 
 LOSS = "<loss>"  # where an overflow after the last probe began
-_MARK = 1 << 30  # a hit's marker in the first pass's program: _MARK + its number
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +71,7 @@ _SESSION = jax.make_user_context(None)
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
   """First pass: each probe's name and length, each hit in trace order (its index if a
-  Python int), marked in the program to find the loops around it (`_forward_order`)."""
+  Python int), marked in the program to find the loops around it (`_probe_order`)."""
   lengths: dict[str, int | None]
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
@@ -82,13 +79,14 @@ class _Discovery:
   used: set = dataclasses.field(default_factory=set, kw_only=True)  # of those options
   # What probes returned (by id, kept alive): not probed again (a module's last output).
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
+  skipped: set = dataclasses.field(default_factory=set, kw_only=True)  # names, for that
 
   def probe(self, x, name, index, length):
     if self.lengths.setdefault(name, length) != length:
       raise ValueError(f"probe {name!r} is used with length={length} and with "
                        f"length={self.lengths[name]}; one name, one length.")
     self.hits.append((name, int(index) if isinstance(index, (int, np.integer)) else None))
-    return lax.optimization_barrier((x, np.int32(_MARK + len(self.hits) - 1)))[0]
+    return _probe_order.marked(x, len(self.hits) - 1, index)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,10 +96,14 @@ class _Measurement:
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
   views: bool = dataclasses.field(default=True, kw_only=True)
+  skipped: set = dataclasses.field(default_factory=set, kw_only=True)
 
   def probe(self, x, name, index, length):
-    if name not in self.stats:  # the first pass saw `x` as probed already: an identity
-      return x  # (equinox's MLP's) returned the same tracer there, a new one under `grad`
+    if name in self.skipped and name not in self.stats:  # the first pass saw `x` as probed
+      return x  # already: an identity (equinox MLP's) returned the same tracer there
+    if name not in self.stats:
+      raise ValueError(f"probe {name!r} was not reached when the function was first "
+                       "traced; a function must reach the same probes on every trace.")
     row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
     return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]))
@@ -132,8 +134,10 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   """
   _validation.probe_args(x, name, index, length)
   session = _SESSION.value
-  if session is None or id(x) in session.returned or not jnp.issubdtype(
-      jnp.result_type(x), jnp.floating):
+  if session is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    return x
+  if id(x) in session.returned:
+    session.skipped.add(name)
     return x
   out = session.probe(x, name, index, length)
   session.returned.update({id(x): x, id(out): out})  # the same in both passes
@@ -260,7 +264,8 @@ def _discover_with_fallbacks(fun, args, kwargs):
       continue  # turning off an option that was not used changes nothing
     session = _Discovery({}, rows=rows, views=views)
     try:
-      return {"rows": rows, "views": views}, _discover(session, fun, args, kwargs)
+      found = _discover(session, fun, args, kwargs)
+      return {"rows": rows, "views": views, "skipped": session.skipped}, found
     except Exception as error:  # noqa: BLE001 (raised below)
       errors.append(error)
       used |= session.used
@@ -292,50 +297,8 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
   stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
            for name, n in session.lengths.items()}
-  return stats, _forward_order(session, _loops(program.jaxpr))
-
-
-def _loops(jaxpr, chain: tuple = (), found: dict | None = None) -> dict[int, tuple]:
-  """Hit -> the `scan`s and `while`s around it, outermost first, from the hits' markers:
-  `(id, reverse, length)` (a `scan(..., reverse=True)` runs its rows last to first)."""
-  found = {} if found is None else found
-  for eqn in jaxpr.eqns:
-    tag = eqn.invars[-1] if eqn.primitive.name == "optimization_barrier" else None
-    # A marker is an int32 literal (a `jax.grad` inside the loss adds float0 ones).
-    if isinstance(tag, Literal) and tag.aval.dtype == np.int32 and int(tag.val) >= _MARK:
-      found[int(tag.val) - _MARK] = chain
-    looping = eqn.primitive.name in ("scan", "while")
-    inner = (*chain, (id(eqn), bool(eqn.params.get("reverse", False)),
-                      eqn.params.get("length"))) if looping else chain
-    for sub in jax.tree.leaves(eqn.params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
-      if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-        _loops(getattr(sub, "jaxpr", sub), inner, found)
-  return found
-
-
-def _forward_order(session: _Discovery, loops: dict[int, tuple]) -> tuple:
-  """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
-  a loop's index, of every probe of that loop body (by length) interleaved, last to
-  first for a reversed scan. The loop is the innermost around the hit that runs `length`
-  times (a recurrence scanned inside a layer is not the layers' loop), else the innermost."""
-  lengths, bodies, order = session.lengths, {}, {}
-  loop = lambda k, n: ([x for x in loops.get(k, ()) if x[2] == n] or [None, *loops.get(k, ())])[-1]
-  for k, (name, index) in enumerate(session.hits):
-    if lengths[name] is not None and index is None and loop(k, lengths[name]) is not None:
-      members = bodies.setdefault((loop(k, lengths[name]), lengths[name]), [])
-      members += [] if name in members else [name]
-  for k, (name, index) in enumerate(session.hits):
-    length = lengths[name]
-    if length is None or index is not None:
-      order.setdefault((name, index), None)
-    else:
-      where = loop(k, length)
-      names = bodies.get((where, length), [name])
-      rows = range(length)[::-1] if where and where[1] else range(length)
-      order.update(dict.fromkeys((n, r) for r in rows for n in names))
-  for name, length in lengths.items():  # rows never hit
-    order.update(dict.fromkeys((name, r) for r in range(length or 0)))
-  return tuple(order)
+  return stats, _probe_order.forward_order(session.lengths, session.hits,
+                                           _probe_order.loops(program.jaxpr))
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

@@ -141,6 +141,47 @@ def test_linen_modules_under_lifted_transforms_are_named_by_their_path_in_the_pa
   assert set(params) == {"blocks", "CheckpointDense_0", "Dense_0"}
 
 
+class LinenInner(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    return jnp.tanh(linen.Dense(4, name="d2")(jnp.tanh(linen.Dense(4, name="d1")(x))))
+
+
+class LinenShared(linen.Module):
+  def setup(self):
+    self.inner = LinenInner()
+    linen.share_scope(self, self.inner)
+    self.head = linen.Dense(4)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.inner(x)))
+
+
+class LinenEncoderDecoder(linen.Module):
+  def setup(self):
+    self.encoder, self.decoder = LinenInner(), LinenInner()
+
+  def __call__(self, x):
+    return self.decoder(jnp.tanh(self.encoder(x)))
+
+
+def test_linen_a_shared_scope_or_a_method_given_as_a_function_keeps_the_param_paths():
+  # A module sharing its parent's scope has an empty path too, and was taken for a second
+  # model ("LinenShared/head"); a model applied through `method=lambda m, x: ...` had none
+  # called, and each submodule was taken for a model of its own ("LinenInner/encoder").
+  x = jnp.ones((2, 4))
+  for model, method, expected in [
+      (LinenShared(), None, ["d1", "d2", "LinenInner", "head"]),  # the inner: no path
+      (LinenEncoderDecoder(), lambda m, x: m.decoder(jnp.tanh(m.encoder(x))),
+       ["encoder/d1", "encoder/d2", "encoder", "decoder/d1", "decoder/d2", "decoder"])]:
+    params = model.init(jax.random.key(0), x, method=method)["params"]
+    loss = lambda p, x, model=model, method=method: jnp.sum(
+        model.apply({"params": p}, x, method=method) ** 2)
+    probes = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(loss))(
+        params, x)[2]
+    assert [name for name, _ in diagnostics.layers(probes)] == expected
+
+
 def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   model = LinenMLP()
   params = model.init(jax.random.key(0), X)["params"]

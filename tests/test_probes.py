@@ -1,5 +1,6 @@
 """Specification of probes: activation-gradient measurements out of the backward pass."""
 
+import itertools
 import os
 import pathlib
 import re
@@ -393,6 +394,15 @@ def test_equinox_and_nnx_transforms_get_the_stats_with_their_first_argument():
 def test_probe_arguments_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     with_probes(lambda w: jnp.sum(pr.probe(w, "p", **kwargs)))(jnp.ones(2))
+
+
+def test_a_probe_named_anew_on_every_trace_is_refused_not_left_unmeasured():
+  # Names from a global counter differ between the two passes: the second pass's probes
+  # must not pass through unmeasured (an overflow there would be reported nowhere).
+  counter = itertools.count()
+  loss = lambda w: jnp.sum(pr.probe(jnp.tanh(w), f"dense_{next(counter)}"))
+  with pytest.raises(ValueError, match="'dense_1' was not reached when the function was first"):
+    with_probes(loss)(jnp.ones(2))
 
 
 @pytest.mark.parametrize("name", [3, ("a", "b")])

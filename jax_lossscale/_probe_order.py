@@ -1,0 +1,109 @@
+"""The forward order of probes' rows, read from the first pass's program.
+
+The first pass marks each hit with an `optimization_barrier` holding `MARK + its number`
+(and its row index, when traced). A row given as a loop's index belongs to the loop the
+index comes from: found by following the index back through the program to a loop's
+carry or sliced inputs (a layer's index, not a recurrence scanned inside the layer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr
+from jax.extend.core import Jaxpr
+from jax.extend.core import Literal
+
+MARK = 1 << 30  # a hit's marker: MARK + its number
+
+
+def marked(x: Any, hit: int, index: Any) -> Any:
+  """`x`, marked in the program as hit number `hit` (with its traced row index)."""
+  traced = isinstance(index, jax.core.Tracer)
+  return lax.optimization_barrier((x, np.int32(MARK + hit), *([index] if traced else [])))[0]
+
+
+def loops(jaxpr: Jaxpr) -> dict[int, tuple[int, bool] | None]:
+  """Hit -> the loop, `(id, reverse)`, that its row index comes from (else the innermost
+  `scan` or `while` around it, or None): a `scan(..., reverse=True)` runs its rows last to
+  first."""
+  found: dict[int, Any] = {}
+  _walk(jaxpr, {}, (), found)
+  return found
+
+
+def _walk(jaxpr, origin: dict, chain: tuple, found: dict) -> None:
+  """Records the hits of `jaxpr`; `origin` maps a variable to `(depth, loop)`, the
+  innermost loop whose iterations it changes with; `chain` is the loops around."""
+  deepest = lambda names: max((origin[v] for v in names if not isinstance(v, Literal)
+                               and v in origin), default=None, key=lambda o: o[0])
+  for eqn in jaxpr.eqns:
+    args = list(eqn.invars)
+    if eqn.primitive.name == "optimization_barrier":
+      at = next((i for i, v in enumerate(args) if isinstance(v, Literal)
+                 and v.aval.dtype == np.int32 and int(v.val) >= MARK), None)
+      if at is not None:  # a marker (a `jax.grad` inside the loss adds float0 ones)
+        index = args[at + 1:at + 2]  # a traced row index follows its marker
+        index = [v for v in index if not isinstance(v, Literal) and np.issubdtype(
+            v.aval.dtype, np.integer)]
+        source = deepest(index)
+        found[int(args[at].val) - MARK] = source[1] if source else (chain[-1] if chain else None)
+    _enter(eqn, args, origin, chain, found, deepest)
+    out = deepest(args)
+    origin.update({v: out for v in eqn.outvars if out is not None})
+
+
+def _enter(eqn, args, origin, chain, found, deepest) -> None:
+  """Walks the programs inside `eqn`, their inputs' origins taken from its operands (a
+  loop's carry and sliced inputs change with the loop itself)."""
+  name, params = eqn.primitive.name, eqn.params
+  if name in ("scan", "while"):
+    loop = (id(eqn), bool(params.get("reverse", False)))
+    own = (len(chain) + 1, loop)
+    if name == "scan":
+      body, consts = params["jaxpr"], args[:params["num_consts"]]
+    else:
+      body = params["body_jaxpr"]
+      consts = args[params["cond_nconsts"]:params["cond_nconsts"] + params["body_nconsts"]]
+    inner = getattr(body, "jaxpr", body)
+    sub = {v: origin[c] for v, c in zip(inner.invars, consts, strict=False)  # the consts
+           if not isinstance(c, Literal) and c in origin}
+    sub.update({v: own for v in inner.invars[len(consts):]})
+    _walk(inner, sub, (*chain, loop), found)
+    return
+  for program in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
+    if isinstance(program, (ClosedJaxpr, Jaxpr)):
+      inner = getattr(program, "jaxpr", program)
+      operands = args[len(args) - len(inner.invars):] if len(inner.invars) <= len(args) else []
+      if len(operands) == len(inner.invars):  # one to one (a `cond`'s after its predicate)
+        sub = {v: origin[c] for v, c in zip(inner.invars, operands, strict=True)
+               if not isinstance(c, Literal) and c in origin}
+      else:
+        every = deepest(args)
+        sub = {v: every for v in inner.invars} if every else {}
+      _walk(inner, sub, chain, found)
+
+
+def forward_order(lengths: dict, hits: list, loops_of_hits: dict) -> tuple:
+  """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
+  a loop's index, of every probe of that loop body (by length) interleaved, last to
+  first for a reversed scan."""
+  bodies, order = {}, {}
+  for k, (name, index) in enumerate(hits):
+    if lengths[name] is not None and index is None and loops_of_hits.get(k) is not None:
+      members = bodies.setdefault((loops_of_hits[k], lengths[name]), [])
+      members += [] if name in members else [name]
+  for k, (name, index) in enumerate(hits):
+    length, loop = lengths[name], loops_of_hits.get(k)
+    if length is None or index is not None:
+      order.setdefault((name, index), None)
+    else:
+      names = bodies.get((loop, length), [name])
+      rows = range(length)[::-1] if loop and loop[1] else range(length)
+      order.update(dict.fromkeys((n, r) for r in rows for n in names))
+  for name, length in lengths.items():  # rows never hit
+    order.update(dict.fromkeys((name, r) for r in range(length or 0)))
+  return tuple(order)
