@@ -112,6 +112,7 @@ class _Sizes:
   """A probing session that records each probe's elements per step."""
   seen: dict
   returned: dict = dataclasses.field(default_factory=dict)
+  skipped: set = dataclasses.field(default_factory=set)  # names of tensors probed already
   rows: bool = True  # stacked modules get their row index, as in a measuring session
   views: bool = True  # an equinox model is viewed, as in a measuring session
 
