@@ -20,20 +20,28 @@ def probes_of(loss, *args):
   return pr.value_and_grad_with_probes(jax.value_and_grad, loss)(*args)[2]
 
 
-@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
-def test_an_inner_recurrence_as_long_as_the_layers_is_not_taken_for_them(reverse):
-  # Both loops run 3 times: the rows followed the inner one (a recurrence over 3 steps).
+@pytest.mark.parametrize("steps", [2, 3], ids=["shorter", "as_long"])
+@pytest.mark.parametrize("inner_reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("outer_reverse", [False, True], ids=["layers", "layers_reversed"])
+def test_a_recurrence_scanned_inside_a_layer_keeps_its_rows_with_the_layers(
+    outer_reverse, inner_reverse, steps):
+  # The rows followed the innermost scan (a recurrence), not the layers' scan that slices
+  # the index: out of order, reversed with the recurrence, and the overflow made in layer
+  # 1 (by what consumes blk[1], the recurrence: named by its probe) was named "<loss>". A
+  # rule by length took an inner loop as long as the layers' for theirs.
   def loss(ws, x):
     def layer(h, a):
       i, w = a
       h = scale_backward(pr.probe(h * w, "blk", index=i, length=3), jnp.where(i == 1, jnp.inf, 1))
       step = lambda h, _: (pr.probe(jnp.tanh(h), "sub", index=i, length=3), None)
-      return lax.scan(step, h, jnp.arange(3), reverse=reverse)[0], None
-    return jnp.sum(lax.scan(layer, x, (jnp.arange(3), ws))[0])
+      return lax.scan(step, h, jnp.arange(steps), reverse=inner_reverse)[0], None
+    return jnp.sum(lax.scan(layer, x, (jnp.arange(3), ws), reverse=outer_reverse)[0])
 
   probes = probes_of(loss, jnp.array([1.0, 0.5, 0.25]), jnp.ones(4))
-  assert probes.order == tuple((n, r) for r in range(3) for n in ("blk", "sub"))
+  rows = [2, 1, 0] if outer_reverse else [0, 1, 2]
+  assert probes.order == tuple((name, r) for r in rows for name in ("blk", "sub"))
   assert diagnostics.backward_overflow_origin(probes) == "sub[1]"
+  assert [int(h) for h in probes["sub"].hits] == [steps] * 3
 
 
 def test_layers_scanned_inside_a_reversed_loop_of_the_same_length_keep_their_own_order():

@@ -262,29 +262,6 @@ def test_a_reversed_scan_lists_its_rows_in_the_order_they_ran_and_names_the_culp
   assert probes.order == (("block", 3), ("block", 2), ("block", 1), ("block", 0))
   assert diagnostics.backward_overflow_origin(probes) == "block[1]"
 
-@pytest.mark.parametrize("inner_reverse", [False, True], ids=["forward", "reversed"])
-@pytest.mark.parametrize("outer_reverse", [False, True], ids=["layers", "layers_reversed"])
-def test_a_recurrence_scanned_inside_a_layer_keeps_its_rows_with_the_layers(
-    outer_reverse, inner_reverse):
-  # The rows followed the innermost scan (a recurrence of 2 steps), not the layers' scan
-  # that slices the index: out of order, reversed with the recurrence, and the overflow
-  # made in layer 1 (by what consumes blk[1], the recurrence: named by its probe) was
-  # named "<loss>".
-  def loss(ws, x):
-    def layer(h, a):
-      i, w = a
-      h = scale_backward(pr.probe(h * w, "blk", index=i, length=3), jnp.where(i == 1, jnp.inf, 1))
-      step = lambda h, _: (pr.probe(jnp.tanh(h), "sub", index=i, length=3), None)
-      return lax.scan(step, h, jnp.arange(2), reverse=inner_reverse)[0], None
-    return jnp.sum(lax.scan(layer, x, (jnp.arange(3), ws), reverse=outer_reverse)[0])
-
-  probes = with_probes(loss)(jnp.array([1.0, 0.5, 0.25]), jnp.ones(4))[2]
-  rows = [2, 1, 0] if outer_reverse else [0, 1, 2]
-  assert probes.order == tuple((name, r) for r in rows for name in ("blk", "sub"))
-  assert diagnostics.backward_overflow_origin(probes) == "sub[1]"
-  assert [int(h) for h in probes["sub"].hits] == [2, 2, 2]
-
-
 INNER = {  # a second probe in the decoder's body, after its own
     "none": None,
     "checkpoint": lambda h, i: jax.checkpoint(
