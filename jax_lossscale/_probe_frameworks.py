@@ -106,12 +106,12 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
       del applied[len(applied) - top:]
     if context.method_name != "__call__":
       return out
-    root = applied[-1] if applied else _linen_root(module)  # `method=lambda m: m.encoder`
+    root = applied[-1] if applied else parents_root(module)  # `method=lambda m: m.encoder`
     roots.setdefault(root, len(roots))  # in the order met, alike in both passes
     path = context.module.path if not roots[root] else (root.__name__, *context.module.path)
     return probe_output(out, "/".join(path) or type(context.module).__name__)
 
-  def _linen_root(module):
+  def parents_root(module):
     while isinstance(module.parent, linen.Module):
       module = module.parent
     return type(module)

@@ -233,8 +233,8 @@ def value_and_grad_with_probes(
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
       return value, grads, Probes((), (), (), ())
     single = isinstance(argnums, int) or hasattr(argnums, "argnum")  # nnx.DiffState
-    first = getattr(argnums if single else argnums[0], "argnum", argnums if single
-                    else argnums[0]) % len(args)
+    lead = argnums if single else argnums[0]
+    first = getattr(lead, "argnum", lead) % len(args)
 
     def measured(*packed, **kw):
       unpacked = list(packed)
