@@ -99,9 +99,9 @@ class _Measurement:
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)
 
   def probe(self, x, name, index, length):
-    if name in self.skipped and name not in self.stats:  # the first pass saw `x` as probed
-      return x  # already: an identity (equinox MLP's) returned the same tracer there
     if name not in self.stats:
+      if name in self.skipped:  # the first pass saw `x` as probed already: an identity
+        return x  # (equinox MLP's) returned the same tracer there, a new one under `grad`
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
     row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)

@@ -233,9 +233,9 @@ def apply_updates(params: Any, updates: Any) -> Any:
     if u is None or not is_array(p) or jnp.result_type(u) == jax.dtypes.float0:
       return p  # a float0 update: an integer parameter's gradient, no step
     p, u = jnp.asarray(p), jnp.asarray(u)
-    if p.dtype != u.dtype and 1 in (p.dtype.itemsize, u.dtype.itemsize) and is_float(
-        p) and is_float(u):  # float8: no implicit promotion
-      wide = jnp.float64 if jnp.float64 in (p.dtype, u.dtype) else jnp.float32
+    narrowest = min(p.dtype.itemsize, u.dtype.itemsize)
+    if p.dtype != u.dtype and narrowest == 1 and is_float(p) and is_float(u):  # float8: no
+      wide = jnp.float64 if jnp.float64 in (p.dtype, u.dtype) else jnp.float32  # promotion
       return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
     return jnp.asarray(p + u).astype(p.dtype)  # optax's own rule
 
