@@ -3,8 +3,12 @@
 On CPU a `lax.cond` runs nothing on a skipped step and lets XLA update donated buffers in
 place, where a select would make it copy them; on GPU and TPU a select fuses into the
 optimizer's own kernels, where a `cond` would split them (benchmarks/RESULTS.md, "Why
-`cond` on CPU and `where` elsewhere"). `lax.platform_dependent` picks the branch when
-the program is lowered, so an exported program takes the one of the platform it runs on.
+`cond` on CPU and `where` elsewhere").
+
+Both are one program: a `lax.cond` whose predicate is forced true off CPU, around a
+select that is forced to its first operand on CPU. `on_cpu` is a constant once the
+program is lowered for one platform, so XLA removes the cond or the select; a program
+exported for several platforms reads it when it runs. The step is traced once.
 
 Every function here takes argument-free functions whose outputs may hold static leaves
 (strings, functions of equinox modules): `static` names them, see `_trees.arrays_of`.
@@ -21,11 +25,9 @@ import jax.numpy as jnp
 from jax_lossscale import _trees
 
 
-def on_platform(*, cpu: Callable[[], Any], default: Callable[[], Any], static: Any) -> Any:
-  """`lax.platform_dependent(cpu=cpu, default=default)` for outputs with static leaves."""
-  out = jax.lax.platform_dependent(cpu=_trees.arrays_of(cpu, static),
-                                   default=_trees.arrays_of(default, static))
-  return _trees.combine(out, static)
+def on_cpu() -> jax.Array:
+  """Bool scalar: whether the program runs on CPU (`lax.platform_dependent`)."""
+  return jax.lax.platform_dependent(cpu=lambda: jnp.array(True), default=lambda: jnp.array(False))
 
 
 def cond(pred: jax.Array, true_fn: Callable[[], Any], false_fn: Callable[[], Any],
@@ -49,29 +51,23 @@ def emit(should_apply: jax.Array, run: Callable[[], Any], skipped: Any, kept: An
     `(out, inner_state, applied, updates_finite)`: `applied` is the final verdict,
     `updates_finite` False when finite gradients gave non-finite updates.
   """
+  cpu = on_cpu()
   static = (_trees.partition(skipped)[1], _trees.partition(kept)[1], None, None)
-  return on_platform(cpu=lambda: by_cond(should_apply, run, skipped, kept, static),
-                     default=lambda: by_where(should_apply, run, skipped, kept), static=static)
 
-
-def by_cond(should_apply, run, skipped, kept, static):
-  """CPU: a skipped step runs nothing, and donated buffers are updated in place."""
-  yes, no = jnp.array(True), jnp.array(False)
-
-  def applied():
+  def ran():
     out, state, finite = run()
-    if finite is None:
-      return out, state, yes, yes
-    out, state = cond(finite, lambda: (out, state), lambda: (skipped, kept), static[:2])
-    return out, state, finite, finite
+    checked = finite is not None
+    finite = finite if checked else jnp.array(True)
+    applied = should_apply & finite  # on CPU `finite`: this branch runs only when applied
+    def chosen():  # forced to `(out, state)` on CPU
+      return (_trees.select_tree(applied | cpu, out, skipped),
+              _trees.select_tree(applied | cpu, state, kept))
+    if checked:  # on CPU a second cond, for updates found not finite
+      out, state = cond(finite | ~cpu, chosen, lambda: (skipped, kept), static[:2])
+    else:
+      out, state = chosen()
+    return out, state, applied, finite | ~should_apply
 
-  return cond(should_apply, applied, lambda: (skipped, kept, no, yes), static)
+  return cond(should_apply | ~cpu, ran, lambda: (skipped, kept, jnp.array(False),
+                                                 jnp.array(True)), static)
 
-
-def by_where(should_apply, run, skipped, kept):
-  """GPU and TPU: one select per leaf, fused into the optimizer's own loop."""
-  out, state, finite = run()
-  finite = jnp.array(True) if finite is None else finite | ~should_apply  # checked if run
-  applied = should_apply & finite
-  return (_trees.select_tree(applied, out, skipped), _trees.select_tree(applied, state, kept),
-          applied, finite)

@@ -293,9 +293,9 @@ class _Step:
 
 def _traced_once(run, static, inputs):
   """`run` traced at most once, and the shapes of its output's arrays. Inside `jit` it is
-  a nested `jit`, whose cached trace `eval_shape` and each branch of `lax.cond` and of
-  `platform_dependent` reuse (XLA inlines the calls): tracing an optimizer over a
-  thousand leaves costs as much as compiling hundreds of them."""
+  a nested `jit`, whose cached trace `eval_shape` and the `lax.cond` reuse (XLA inlines
+  the call): tracing an optimizer over a thousand leaves costs as much as compiling
+  hundreds of them."""
   arrays = _trees.arrays_of(run, static)
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
     arrays = jax.jit(arrays)

@@ -21,14 +21,14 @@ RTOL = 1e-6
 
 @contextlib.contextmanager
 def force_branch(name: str):
-  """Traces the platform-dependent part of a step with branch `name` ("cpu" or
-  "default") whatever the platform, so the CPU suite compiles and runs the GPU/TPU one.
+  """Traces a step as for the platform of branch `name` ("cpu": the `lax.cond`,
+  "default": the GPU/TPU select) whatever the platform, so the CPU suite compiles and runs
+  the GPU/TPU one.
 
   Jitted functions must be traced inside the context.
   """
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(_emit, "on_platform",
-                  lambda *, cpu, default, static: {"cpu": cpu, "default": default}[name]())
+    patch.setattr(_emit, "on_cpu", lambda: jnp.array(name == "cpu"))
     yield
 
 

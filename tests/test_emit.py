@@ -1,5 +1,7 @@
 """Specification of how a decided step is emitted on each platform."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,24 +18,43 @@ def run_fn(finite=None):
 SKIPPED, KEPT = {"w": -jnp.zeros(2), "name": "mlp"}, {"mu": jnp.zeros(2)}
 
 
-@pytest.mark.parametrize("branch", ["cpu", "default"])
-def test_forcing_a_branch_traces_only_that_branch(branch):
-  traced = []
+def test_the_platform_flag_is_true_on_cpu_and_forcing_a_branch_fixes_it():
+  assert bool(jax.jit(_emit.on_cpu)()) == (jax.default_backend() == "cpu")
+  for branch in ["cpu", "default"]:
+    with force_branch(branch):
+      assert bool(jax.jit(_emit.on_cpu)()) == (branch == "cpu")
 
-  @jax.jit
-  def f(x):
-    return _emit.on_platform(cpu=lambda: traced.append("cpu") or x + 1,
-                             default=lambda: traced.append("default") or x + 2, static=None)
 
+def compiled_emit(branch, finite):
+  """The compiled program of `emit` over 3 leaves, traced for `branch`."""
+  def f(should_apply, w, mu, ok):
+    run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None if finite is None else ok)
+    return _emit.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})
+  w = jnp.ones((3, 4))
   with force_branch(branch):
-    out = f(jnp.float32(0))
-  assert traced == [branch] and float(out) == (1 if branch == "cpu" else 2)
+    return jax.jit(f).lower(jnp.array(True), w, w, jnp.array(True)).compile().as_text()
 
 
-def test_unforced_platform_code_runs_the_cpu_branch_on_cpu():
-  out = jax.jit(lambda x: _emit.on_platform(cpu=lambda: x + 1, default=lambda: x + 2,
-                                            static=None))(jnp.float32(0))
-  assert float(out) == (1 if jax.default_backend() == "cpu" else 2)
+@pytest.mark.parametrize("finite", [None, True], ids=["unchecked", "checked"])
+def test_xla_keeps_the_cond_on_cpu_and_the_select_elsewhere(finite):
+  cpu, default = compiled_emit("cpu", finite), compiled_emit("default", finite)
+  select_arrays = r"= f32\[3,4\]\S* select\("
+  assert "conditional(" in cpu and not re.search(select_arrays, cpu)
+  assert "conditional(" not in default and len(re.findall(select_arrays, default)) == 2
+
+
+@pytest.mark.parametrize("should_apply", [True, False])
+def test_a_program_exported_for_cpu_and_gpu_chooses_when_it_runs(should_apply):
+  def step(should_apply, w, mu):
+    run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None)
+    return _emit.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})[:3]
+  w = jnp.ones(3)
+  exported = jax.export.export(jax.jit(step), platforms=("cpu", "cuda"))(
+      jnp.array(True), w, w)
+  out, state, applied = exported.call(jnp.array(should_apply), w, w)
+  chex.assert_trees_all_equal((out["w"], state["mu"], applied),
+                              (w * 2, w + 1, jnp.array(True)) if should_apply
+                              else (-jnp.zeros(3), w, jnp.array(False)))
 
 
 @pytest.mark.parametrize("should_apply", [True, False])
