@@ -100,7 +100,7 @@ def _explicitly_sharded(x: jax.Array) -> bool:
 def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
   """Per dtype, the reduction inputs: each large leaf alone, small ones in chunks."""
   groups: dict[Any, list[list[jax.Array]]] = {}
-  chunks: dict[Any, list[jax.Array]] = {}
+  chunks: dict[Any, tuple[list[jax.Array], list[int]]] = {}  # per dtype: last chunk, its size
   for x in leaves:
     if not x.size:
       continue
@@ -108,11 +108,12 @@ def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
     if x.size >= _SMALL or _explicitly_sharded(x):
       per_dtype.append([x])
       continue
-    chunk = chunks.get(x.dtype)
-    if chunk is None or len(chunk) == _OPERANDS or sum(y.size for y in chunk) + x.size > _CHUNK:
-      chunk = chunks[x.dtype] = []
+    chunk, size = chunks.get(x.dtype, (None, [0]))
+    if chunk is None or len(chunk) == _OPERANDS or size[0] + x.size > _CHUNK:
+      chunk, size = chunks[x.dtype] = [], [0]
       per_dtype.append(chunk)
     chunk.append(x)
+    size[0] += x.size
   return groups
 
 
