@@ -200,11 +200,10 @@ def negative_zeros_like(tree: Any, like: Any = None) -> Any:
       return x
     if x.dtype == jax.dtypes.float0:  # an integer's gradient: no value to skip
       return np.zeros(x.shape, x.dtype)
+    fill = -np.zeros((), x.dtype)  # both parts of a complex; +0 where no -0 exists
     if is_array(template) and template.shape == x.shape:
-      zeros = -jnp.zeros_like(template, dtype=x.dtype)
-    else:
-      zeros = -jnp.zeros(x.shape, x.dtype)
-    return varying_like(zeros, x)
+      return varying_like(jax.lax.full_like(template, fill, x.dtype), x)
+    return varying_like(jax.lax.full(x.shape, fill, x.dtype), x)
 
   return jax.tree.map(negative_zeros, tree, like, is_leaf=lambda x: x is None)
 

@@ -83,6 +83,9 @@ def test_negative_zeros_are_the_additive_identity_even_for_negative_zero():
   assert np.signbit(after["c"].real[0]) and np.signbit(after["c"].imag[0])
   shapes = _trees.negative_zeros_like(jax.eval_shape(lambda: params))
   chex.assert_trees_all_equal(shapes, updates)
+  from_template = jax.jit(lambda p: _trees.negative_zeros_like(shapes, like=p))(params)
+  bits = lambda tree: jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)  # noqa: E731
+  assert bits(from_template) == bits(updates)
 
 
 def test_cast_like_widens_a_state_to_the_dtypes_of_another():
