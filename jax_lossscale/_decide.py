@@ -55,6 +55,9 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
     grads_finite = _finite.finite_after(largest, unscaling)
   else:
     grads_finite, unscaling = _clipped(grads, unscaling, max_norm)
+  if probes is not None and not isinstance(probes, _probes.Probes):
+    raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
+                    f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
   measured = None
   if loss_scale._measures:  # pylint: disable=protected-access
     measured = _finite.agree_max(_measured(largest, probes), axis_name)
@@ -69,9 +72,6 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
 def _measured(largest: list, probes: Any) -> jax.Array:
   """The largest gradient magnitude seen: of the parameter gradients, and of every probed
   activation gradient (its binade's top where a probe was hit several times)."""
-  if probes is not None and not isinstance(probes, _probes.Probes):
-    raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
-                    f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
   measured = _finite.largest_of(largest)
   if probes:
     measured = jnp.maximum(measured, _probe_stats.largest_gradient(probes.encoded))

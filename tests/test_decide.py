@@ -38,7 +38,9 @@ def test_the_clip_factor_joins_the_unscaling():
   assert bool(decision.grads_finite)
 
 
-def test_probes_that_are_not_the_measured_probes_are_refused_by_name():
+@pytest.mark.parametrize("loss_scale", [jls.MeasuredLossScale(), jls.DynamicLossScale()],
+                         ids=["measuring", "not_measuring"])
+def test_probes_that_are_not_the_measured_probes_are_refused_by_name(loss_scale):
+  # A scale that does not read them refuses them too: nothing given is silently dropped.
   with pytest.raises(TypeError, match=r"`probes` must be .*probes=True.*got dict"):
-    _decide.decide({"g": jnp.ones(2)}, jls.MeasuredLossScale(), None, None, None,
-                   probes={"layer": 1.0})
+    _decide.decide({"g": jnp.ones(2)}, loss_scale, None, None, None, probes={"layer": 1.0})
