@@ -11,6 +11,7 @@ input of the probe (no host callback)::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -280,13 +281,12 @@ def _discover_with_fallbacks(fun, args, kwargs):
 def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
   and `Probes.order`."""
-  leaves, treedef = jax.tree.flatten((args, kwargs))
+  leaves, rebuild = _copier((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
   def traced(arrays):  # other leaves (functions, strings) are closed over
-    merged = [a if array else leaf for a, array, leaf in zip(arrays, is_array, leaves,
-                                                              strict=True)]
-    a, k = jax.tree.unflatten(treedef, merged)
+    a, k = rebuild([a if array else leaf for a, array, leaf in zip(arrays, is_array, leaves,
+                                                                   strict=True)])
     fun(*a, **k)
 
   with _SESSION(session):
@@ -299,6 +299,20 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
            for name, n in session.lengths.items()}
   return stats, _probe_order.forward_order(session.lengths, session.hits,
                                            _probe_order.loops(program.jaxpr))
+
+
+def _copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
+  """`(leaves, rebuild)`: `tree`'s leaves, and `rebuild(new_leaves)`, a copy of `tree`
+  holding them. With NNX modules in `tree`, by NNX's split and merge, which keep a
+  module held twice (`self.c = self.a`) one object, as `nnx.value_and_grad` does."""
+  nnx = sys.modules.get("flax.nnx")
+  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)  # noqa: E731
+  if any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module))):
+    graphdef, state = nnx.split(tree)
+    leaves, treedef = jax.tree.flatten(state)
+    return leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+  leaves, treedef = jax.tree.flatten(tree)
+  return leaves, lambda new: jax.tree.unflatten(treedef, new)
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

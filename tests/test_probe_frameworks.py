@@ -346,6 +346,22 @@ def test_nnx_gradients_equal_those_without_probes():
   chex.assert_trees_all_equal(grads, nnx.grad(nnx_loss)(model, X, Y))
 
 
+def test_nnx_a_module_held_under_two_names_is_one_row_hit_at_each_call():
+  # Tied weights: the first pass copied the model as a pytree, which made `c` a module of
+  # its own, and the table showed a row `c` "not measured" beside `a`, hit twice.
+  class Tied(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.b = nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 2, rngs=rngs)
+      self.c = self.a
+
+    def __call__(self, x):
+      return self.b(self.c(self.a(x)))
+
+  hits = hits_like_unprobed(nnx.value_and_grad, pf.nnx_probes,
+                            lambda m, x: m(x).sum(), Tied(nnx.Rngs(0)), jnp.ones((2, 3)))
+  assert hits == [("a", 2), ("b", 1)]
+
+
 def test_overlapping_probing_contexts_keep_a_class_patched_until_the_last_one_leaves():
   # Two threads tracing at once: the first to finish restored the class while the other
   # still traced, whose probes then went unreached or unmeasured.
