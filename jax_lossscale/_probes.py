@@ -105,7 +105,7 @@ class _Measurement:
         return x  # (equinox MLP's) returned the same tracer there, a new one under `grad`
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
-    row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)
+    row = lambda a: a if length is None else _row(a, index, length)
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
     return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]))
 
@@ -127,7 +127,8 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   Args:
     x: a floating-point array (others are returned as is, unmeasured).
     name: the probe's name; the key of its `ProbeSummary`.
-    index: this hit's row, in `[0, length)`; rows are in forward order.
+    index: this hit's row, in `[0, length)`; rows are in forward order. A concrete index
+      outside is refused; a traced one outside drops its hit (no row counts it).
     length: the number of rows.
 
   Returns:
@@ -176,6 +177,13 @@ def _option(name: str) -> bool:
   if isinstance(session, _Discovery):
     session.used.add(name)
   return True
+
+
+def _row(stats: jax.Array, index: Any, length: int) -> jax.Array:
+  """Row `index` of `stats`. A traced index out of `[0, length)` reads zeros: its hit is
+  dropped (no row counts it), where indexing alone would clamp it onto an end row."""
+  inside = (index >= 0) & (index < length)
+  return jnp.where(inside, lax.dynamic_index_in_dim(stats, index, 0, False), 0)
 
 
 @jax.custom_vjp

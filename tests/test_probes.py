@@ -169,6 +169,19 @@ def test_a_probe_in_a_scan_over_layers_gives_one_row_per_layer():
     assert rows.headroom[i] == layer.headroom
 
 
+def test_a_traced_index_out_of_range_drops_its_hit_instead_of_giving_it_to_an_end_row():
+  # Off by one: layer i measured as row i + 1. Clamped, the last layer's hit went to row 3,
+  # which then summed two layers; dropped, no row has it and the table shows the miss.
+  def off_by_one(ws, x):
+    def body(h, layer):
+      i, w = layer
+      return pr.probe(jnp.tanh(h @ w.astype(F16)), "block", index=i + 1, length=len(ws)), None
+    return jnp.mean(lax.scan(body, x, (jnp.arange(len(ws)), ws))[0].astype(jnp.float32) ** 2)
+
+  rows = diagnostics.summarize(with_probes(off_by_one)(jnp.stack(PARAMS), X)[2])["block"]
+  assert list(rows.hits) == [0, 1, 1, 1]
+
+
 def test_rows_and_float64_activations_are_measured_under_x64():
   # The stats inputs were float64 under x64, and a row's float32 cotangent did not fit.
   with jax.enable_x64(True):
