@@ -205,7 +205,7 @@ class _Step:
     loss: optional, the unscaled loss of this step (any shape): a non-finite loss skips
       the step without changing the loss scale (`nonfinite_loss_steps`).
     probes: optional, what the backward pass measured (`scaled_value_and_grad(...,
-      probes=True)`), for a `MeasuredLossScale` to set the next scale from.
+      probes=True)`), for a `MeasuredLossScale` to set the next scale from (others ignore them).
     **extra_args: passed on to the inner transformation; `grad=` (line searches) unscaled.
 
   Returns:
