@@ -100,7 +100,8 @@ def _explicitly_sharded(x: jax.Array) -> bool:
 def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
   """Per dtype, the reduction inputs: each large leaf alone, small ones in chunks."""
   groups: dict[Any, list[list[jax.Array]]] = {}
-  chunks: dict[Any, tuple[list[jax.Array], list[int]]] = {}  # per dtype: last chunk, its size
+  chunks: dict[Any, list[jax.Array]] = {}  # per dtype, the last chunk
+  sizes: dict[Any, int] = {}  # and its elements
   for x in leaves:
     if not x.size:
       continue
@@ -108,12 +109,13 @@ def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
     if x.size >= _SMALL or _explicitly_sharded(x):
       per_dtype.append([x])
       continue
-    chunk, size = chunks.get(x.dtype, (None, [0]))
-    if chunk is None or len(chunk) == _OPERANDS or size[0] + x.size > _CHUNK:
-      chunk, size = chunks[x.dtype] = [], [0]
+    chunk = chunks.get(x.dtype)
+    if chunk is None or len(chunk) == _OPERANDS or sizes[x.dtype] + x.size > _CHUNK:
+      chunk, sizes[x.dtype] = [], 0
+      chunks[x.dtype] = chunk
       per_dtype.append(chunk)
     chunk.append(x)
-    size[0] += x.size
+    sizes[x.dtype] += x.size
   return groups
 
 
