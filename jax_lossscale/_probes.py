@@ -105,9 +105,12 @@ class _Measurement:
         return x  # (equinox MLP's) returned the same tracer there, a new one under `grad`
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
-    row = lambda a: a if length is None else _row(a, index, length)
+    row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)
+    # A traced index out of range would be clamped onto an end row: its hit is dropped.
+    inside = None if length is None else (index >= 0) & (index < length)
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
-    return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]))
+    return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]),
+                    inside)
 
 
 def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = None):
@@ -179,28 +182,25 @@ def _option(name: str) -> bool:
   return True
 
 
-def _row(stats: jax.Array, index: Any, length: int) -> jax.Array:
-  """Row `index` of `stats`. A traced index out of `[0, length)` reads zeros: its hit is
-  dropped (no row counts it), where indexing alone would clamp it onto an end row."""
-  inside = (index >= 0) & (index < length)
-  return jnp.where(inside, lax.dynamic_index_in_dim(stats, index, 0, False), 0)
-
-
 @jax.custom_vjp
-def _measure(x, stats):
-  del stats
+def _measure(x, stats, inside):
+  del stats, inside
   return x
 
 
-def _measure_fwd(x, stats):
+def _measure_fwd(x, stats, inside):
   """The activation is measured on the way forward: only its three values wait for the
   backward pass. Inside `shard_map` they vary like `stats`, which may vary over more axes
   than `x` (a tensor replicated across devices), as the cotangent of `stats` must."""
-  return x, _trees.varying_like(_probe_stats.forward_values(x), stats)
+  return x, (_trees.varying_like(_probe_stats.forward_values(x), stats), inside)
 
 
-def _measure_bwd(forward, g):
-  return g, _probe_stats.measurements(forward, _trees.varying_like(g, forward))
+def _measure_bwd(residuals, g):
+  """`g` passes on; the hit's measurements are the cotangent of `stats` (zeros where the
+  row index was out of range: in the encoding's own kernel, not a select of its own)."""
+  forward, inside = residuals
+  measured = _probe_stats.measurements(forward, _trees.varying_like(g, forward))
+  return g, measured if inside is None else jnp.where(inside, measured, 0), None
 
 
 _measure.defvjp(_measure_fwd, _measure_bwd)
