@@ -59,9 +59,9 @@ def emit(should_apply: jax.Array, run: Callable[[], Any], skipped: Any, kept: An
     checked = finite is not None
     finite = finite if checked else jnp.array(True)
     applied = should_apply & finite  # on CPU `finite`: this branch runs only when applied
-    def chosen():  # forced to `(out, state)` on CPU
-      return (_trees.select_tree(applied | cpu, out, skipped),
-              _trees.select_tree(applied | cpu, state, kept))
+    keep = applied | cpu  # the select is forced to `(out, state)` on CPU
+    chosen = lambda: (_trees.select_tree(keep, out, skipped),  # noqa: E731
+                      _trees.select_tree(keep, state, kept))
     if checked:  # on CPU a second cond, for updates found not finite
       out, state = cond(finite | ~cpu, chosen, lambda: (skipped, kept), static[:2])
     else:

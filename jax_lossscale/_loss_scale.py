@@ -329,7 +329,8 @@ class DynamicLossScale(LossScale):
     left = jnp.minimum(jnp.asarray(self.hysteresis_left, jnp.int32), self.hysteresis)
     grow = finite & (good + 1 >= self.increment_period)
     grown = self._times(scale, self.multiplier)  # capped, or kept if it overflows float32
-    grown = jnp.minimum(grown, high) if self.max_loss_scale else _numerics.grow(scale, grown)
+    grown = (_numerics.grow(scale, grown) if self.max_loss_scale is None
+             else jnp.minimum(grown, high))
     left_after_overflow = jnp.maximum(left - 1, 0)
     shrink = ~finite & (left_after_overflow == 0)
     if self.backoff_factor is None:
