@@ -38,7 +38,12 @@ def variants(optimizer, clip_norm):
 
 def parts(optimizer):
   """Where the step's compile time goes: plain optax with the check's flag as one more
-  output, and plain optax inside a `lax.cond` on that flag (what a skip costs)."""
+  output; plain optax inside a `lax.cond` on that flag (what a skip costs); and that
+  `lax.cond` running on unscaled gradients, giving new parameters (the floor of
+  `apply_gradients`) or updates, applied after it (the floor of `update`)."""
+
+  def init_scaled(params):  # the loss scale is state, as in a real step: not a constant
+    return jls.DynamicLossScale(), optimizer.init(params)
 
   def plain(params, state, grads):
     updates, state = optimizer.update(grads, state, params)
@@ -51,8 +56,26 @@ def parts(optimizer):
     return jax.lax.cond(jls.all_finite(grads), lambda: plain(params, state, grads),
                         lambda: (params, state))
 
+  def in_cond_unscaled(params, state, grads):
+    loss_scale, state = state
+    params, state = jax.lax.cond(
+        jls.all_finite(grads), lambda _: plain(params, state, loss_scale.unscale(grads)),
+        lambda kept: kept, (params, state))
+    return params, (loss_scale, state)
+
+  def updates_in_cond_unscaled(params, state, grads):
+    loss_scale, state = state
+    skipped = jax.tree.map(lambda g: jnp.full_like(g, -0.0), grads)
+    updates, state = jax.lax.cond(
+        jls.all_finite(grads),
+        lambda _: optimizer.update(loss_scale.unscale(grads), state, params),
+        lambda kept: kept, (skipped, state))
+    return optax.apply_updates(params, updates), (loss_scale, state)
+
   return {"plain + check": (optimizer.init, with_check),
-          "plain in lax.cond": (optimizer.init, in_cond)}
+          "plain in lax.cond": (optimizer.init, in_cond),
+          "unscaled in lax.cond": (init_scaled, in_cond_unscaled),
+          "updates unscaled in lax.cond": (init_scaled, updates_in_cond_unscaled)}
 
 
 def main(argv=None) -> None:
@@ -67,7 +90,8 @@ def main(argv=None) -> None:
                       default=["plain", "jls.update", "jls.apply_gradients", "apply_if_finite"],
                       help="jmp and flax take many minutes to compile at 1000 leaves (flax: "
                            "over 15 minutes of CPU time); add them by name, and "
-                           "'plain + check', 'plain in lax.cond' to see where the time goes")
+                           "'plain + check', 'plain in lax.cond', 'unscaled in lax.cond', "
+                           "'updates unscaled in lax.cond' to see where the time goes")
   args = parser.parse_args(argv)
 
   params = {f"leaf_{i:04d}": jnp.full(tuple(args.shape), 0.5, jnp.float32)

@@ -43,6 +43,22 @@ def test_xla_keeps_the_cond_on_cpu_and_the_select_elsewhere(finite):
   assert "conditional(" not in default and len(re.findall(select_arrays, default)) == 2
 
 
+@pytest.mark.parametrize("finite", [None, True], ids=["unchecked", "checked"])
+def test_on_cpu_a_skipped_step_is_no_computation_it_passes_its_operands_through(finite):
+  def apply_step(should_apply, w, mu, ok):  # as `apply_gradients`: a skipped step keeps `w`
+    run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None if finite is None else ok)
+    return _emit.emit(should_apply, run, {"w": w}, {"mu": mu})
+  w = jnp.ones((3, 4))
+  with force_branch("cpu"):
+    program = jax.jit(apply_step).lower(jnp.array(True), w, w, jnp.array(True)).compile()
+  program = program.as_text()
+  skipping = re.findall(r"conditional\(.*branch_computations=\{(%[\w.]+),", program)
+  assert len(skipping) == (1 if finite is None else 2)
+  for name in skipping:
+    body = re.search(re.escape(name) + r" \(.*?\{\n(.*?)\n\}", program, re.S).group(1)
+    assert re.fullmatch(r"\s*ROOT %\S+ = .* parameter\(0\).*", body), body
+
+
 @pytest.mark.parametrize("should_apply", [True, False])
 def test_a_program_exported_for_cpu_and_gpu_chooses_when_it_runs(should_apply):
   def step(should_apply, w, mu):
