@@ -178,7 +178,6 @@ def train(name: str, data: Text, config: Config, policy: jls.Policy,
   steps = range(config.steps)
   if progress:
     from tqdm.auto import tqdm
-
     steps = tqdm(steps, desc=f"{name:>46s} (seed {seed})", unit="step", leave=True)
   history = []
   for i in steps:
@@ -189,8 +188,7 @@ def train(name: str, data: Text, config: Config, policy: jls.Policy,
   return RunResult(name, seed, nnx.state(model, nnx.Param), logs)
 
 
-def with_params(params: nnx.State, config: Config, vocab: int,
-                policy: jls.Policy) -> TransformerLM:
+def with_params(params: nnx.State, config: Config, vocab: int, policy: jls.Policy) -> TransformerLM:
   """A model computing in `policy`'s dtypes, holding `params`."""
   model = TransformerLM(config, vocab, policy, nnx.Rngs(0))
   nnx.update(model, params)
@@ -221,14 +219,16 @@ def evaluate(run: RunResult, data: Text, config: Config, policy: jls.Policy) -> 
   return run
 
 
+_probed_grads = nnx.jit(jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad,
+                                                   probes=True))
+
+
 def layer_rows(model: TransformerLM, tokens: jax.Array, scale: float) -> list[tuple]:
-  """One backward pass of `model` at `scale`: `(layer, max |grad|, headroom, subnormal
-  fraction, zero fraction)` of each activation gradient (stacked blocks by row, in
-  forward order), then of the parameter gradients."""
-  opt_state = jls.loss_scaling(optax.identity(), jls.FixedLossScale(scale)).init(
-      nnx.state(model, nnx.Param))
-  grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad, probes=True)
-  _, grads, probes = nnx.jit(grad_fn)(opt_state, model, tokens)
+  """One backward pass at `scale` (state, not configuration: compiled once for every scale):
+  `(layer, max |grad|, headroom, subnormal fraction, zero fraction)` of each activation
+  gradient (stacked blocks by row, in forward order), then of the parameter gradients."""
+  tx = jls.loss_scaling(optax.identity(), jls.DynamicLossScale(current_loss_scale=scale))
+  _, grads, probes = _probed_grads(tx.init(nnx.state(model, nnx.Param)), model, tokens)
   rows = [(name, float(s.backward.max_abs), float(s.headroom),
            float(s.backward.subnormal_fraction), float(s.backward.zero_fraction))
           for name, s in jls.diagnostics.layers(probes)]
