@@ -33,8 +33,8 @@ def on_cpu() -> jax.Array:
 def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any) -> Any:
   """`fn()` if `pred` else `passed`, by `lax.cond`; the outputs may hold static leaves,
   which must be `passed`'s. The skipping branch returns its operands as they came, so
-  XLA makes it no computation at all (a branch that rebuilds its outputs costs a
-  thousand-leaf step about 0.3 s more to compile)."""
+  XLA makes it no computation at all (rebuilding them cost a thousand-leaf
+  `apply_gradients` about 0.2 s more to compile: benchmarks/RESULTS.md)."""
   arrays, static = _trees.partition(passed)
   out = jax.lax.cond(pred, lambda _: _trees.arrays_of(fn, static)(), lambda ops: ops, arrays)
   return _trees.combine(out, static)
