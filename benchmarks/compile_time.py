@@ -39,8 +39,8 @@ def variants(optimizer, clip_norm):
 def parts(optimizer):
   """Where the step's compile time goes: plain optax with the check's flag as one more
   output; plain optax inside a `lax.cond` on that flag (what a skip costs); and that
-  `lax.cond` running on unscaled gradients, giving new parameters (the floor of
-  `apply_gradients`) or updates, applied after it (the floor of `update`)."""
+  `lax.cond` running on unscaled gradients, giving new parameters (the core of
+  `apply_gradients`) or updates, applied after it (the core of `update`)."""
 
   def init_scaled(params):  # the loss scale is state, as in a real step: not a constant
     return jls.DynamicLossScale(), optimizer.init(params)
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
   base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
   for name in chosen:
     w, c = statistics.median(wall[name]), statistics.median(cpu[name])
-    print(f"{name:>22s}: wall {w:7.2f} s ({w / base_wall:.2f}x)   cpu {c:7.2f} s "
+    print(f"{name:>28s}: wall {w:7.2f} s ({w / base_wall:.2f}x)   cpu {c:7.2f} s "
           f"({c / base_cpu:.2f}x)")
 
   leaves = [jnp.asarray(np.full((8, 8), 0.5, np.float32)) for _ in range(200)]

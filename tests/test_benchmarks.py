@@ -23,6 +23,9 @@ def script(name: str):
 @pytest.mark.parametrize("name, argv, printed", [
     ("overhead", ["--params", "1e3", "--leaves", "1", "2", "--reps", "1"], "jls.apply_gradients"),
     ("compile_time", ["--leaves", "3", "--shape", "2", "--reps", "1"], "jls.update"),
+    ("compile_time", ["--leaves", "3", "--shape", "2", "--reps", "1", "--variants", "plain",
+                      "unscaled in lax.cond", "updates unscaled in lax.cond"],
+     "updates unscaled in lax.cond"),
     ("end_to_end", ["--batch", "64", "--hidden", "8", "--reps", "1"], "ratio")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
   script(name).main(argv)
