@@ -11,6 +11,7 @@ input of the probe (no host callback)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ LOSS = "<loss>"  # where an overflow after the last probe began
 @dataclasses.dataclass(frozen=True)
 class Probes(Mapping):
   """Probe name -> `ProbeSummary`, in forward order; a pytree (its tuples of names,
-  lengths and order are static).
+  lengths, sizes and order are static).
 
   Each probe's measurements are sums over its hits, kept as one array (split into
   fields inside a jitted step, they would cost a copy each) and summarized on access.
@@ -43,20 +44,26 @@ class Probes(Mapping):
   Attributes:
     names: the probe names, in the order the forward pass first reached them.
     lengths: each probe's number of rows (`length` given to `probe`), or None.
+    sizes: each probe's number of elements per hit, or None where its hits differ in
+      size.
     order: `(name, row)` for every row of every probe (row None for a probe without
       rows), in forward order: the rows of the probes of one loop body interleave.
     encoded: per probe, float32 `[..., 2, 259]`: for the activation, then its gradient,
-      the largest magnitude, the zero and subnormal fractions, and a one-hot of the
-      largest magnitude's float32 exponent. Summed over hits, the one-hots count the
-      hits and keep the largest maximum's binade on top.
+      the largest magnitude, the zero and subnormal counts (fractions where `sizes` is
+      None: a count is divided by its size when read, so that the program's small
+      kernels are alike for every size), and a one-hot of the largest magnitude's
+      float32 exponent. Summed over hits, the one-hots count the hits and keep the
+      largest maximum's binade on top.
   """
   names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   lengths: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
+  sizes: tuple[int | None, ...] = dataclasses.field(metadata={"static": True})
   order: tuple[tuple[str, int | None], ...] = dataclasses.field(metadata={"static": True})
   encoded: tuple[jax.Array, ...]
 
   def __getitem__(self, name: str) -> _probe_stats.ProbeSummary:
-    return _probe_stats.summary(self.encoded[self.names.index(name)])
+    i = self.names.index(name)
+    return _probe_stats.summary(self.encoded[i], self.sizes[i])
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.names)
@@ -71,9 +78,10 @@ _SESSION = jax.make_user_context(None)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
-  """First pass: each probe's name and length, each hit in trace order (its index if a
-  Python int), marked in the program to find the loops around it (`_probe_order`)."""
+  """First pass: each probe's name, length and size, each hit in trace order (its index
+  if a Python int), marked in the program to find the loops around it (`_probe_order`)."""
   lengths: dict[str, int | None]
+  sizes: dict[str, int | None] = dataclasses.field(default_factory=dict, kw_only=True)
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
   views: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_views`
@@ -86,6 +94,8 @@ class _Discovery:
     if self.lengths.setdefault(name, length) != length:
       raise ValueError(f"probe {name!r} is used with length={length} and with "
                        f"length={self.lengths[name]}; one name, one length.")
+    if self.sizes.setdefault(name, np.size(x)) != np.size(x):
+      self.sizes[name] = None  # hits of several sizes: each hit's figures are fractions
     self.hits.append((name, int(index) if isinstance(index, (int, np.integer)) else None))
     return _probe_order.marked(x, len(self.hits) - 1, index)
 
@@ -94,6 +104,7 @@ class _Discovery:
 class _Measurement:
   """Second pass: each probe measures into its stats input."""
   stats: Mapping[str, jax.Array]
+  sizes: Mapping[str, int | None]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
   views: bool = dataclasses.field(default=True, kw_only=True)
@@ -105,12 +116,10 @@ class _Measurement:
         return x  # (equinox MLP's) returned the same tracer there, a new one under `grad`
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
-    row = lambda a: a if length is None else lax.dynamic_index_in_dim(a, index, 0, False)
-    # A traced index out of range would be clamped onto an end row: its hit is dropped.
-    inside = None if length is None else (index >= 0) & (index < length)
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
-    return _measure(x, jax.tree.map(lambda a: _trees.varying_like(row(a), x), self.stats[name]),
-                    inside)
+    return _measure(length, self.sizes[name] is None, x,
+                    _trees.varying_like(self.stats[name], x),
+                    None if length is None else jnp.asarray(index, jnp.int32))
 
 
 def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = None):
@@ -182,25 +191,31 @@ def _option(name: str) -> bool:
   return True
 
 
-@jax.custom_vjp
-def _measure(x, stats, inside):
-  del stats, inside
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _measure(length, fractions, x, stats, index):
+  del length, fractions, stats, index
   return x
 
 
-def _measure_fwd(x, stats, inside):
+def _measure_fwd(length, fractions, x, stats, index):
   """The activation is measured on the way forward: only its three values wait for the
-  backward pass. Inside `shard_map` they vary like `stats`, which may vary over more axes
-  than `x` (a tensor replicated across devices), as the cotangent of `stats` must."""
-  return x, (_trees.varying_like(_probe_stats.forward_values(x), stats), inside)
+  backward pass, with the row `index`, which a scan passes on from its inputs (a row of
+  `stats` taken here, or a flag computed here, would be a residual stacked per layer).
+  Inside `shard_map` they vary like `stats`, which may vary over more axes than `x` (a
+  tensor replicated across devices), as the cotangent of `stats` must."""
+  del length
+  return x, (_trees.varying_like(_probe_stats.values(x, fractions), stats), index)
 
 
-def _measure_bwd(residuals, g):
-  """`g` passes on; the hit's measurements are the cotangent of `stats` (zeros where the
-  row index was out of range: in the encoding's own kernel, not a select of its own)."""
-  forward, inside = residuals
-  measured = _probe_stats.measurements(forward, _trees.varying_like(g, forward))
-  return g, measured if inside is None else jnp.where(inside, measured, 0), None
+def _measure_bwd(length, fractions, residuals, g):
+  """`g` passes on; the hit's measurements are the cotangent of `stats`: with rows, in
+  row `index` only (in none for an index out of range: the hit is dropped), selected in
+  the encoding's own kernel."""
+  forward, index = residuals
+  measured = _probe_stats.measurements(forward, _trees.varying_like(g, forward), fractions)
+  if length is not None:
+    measured = _probe_stats.in_row(measured, index, length)
+  return g, measured, None
 
 
 _measure.defvjp(_measure_fwd, _measure_bwd)
@@ -237,10 +252,10 @@ def value_and_grad_with_probes(
       raise TypeError(f"differentiating with respect to argnums={argnums!r} needs the "
                       "arguments passed positionally, got keyword arguments only "
                       f"({', '.join(kwargs)}).")
-    options, (stats, order) = _discover_with_fallbacks(fun, args, kwargs)
+    options, (stats, sizes, order) = _discover_with_fallbacks(fun, args, kwargs)
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
-      return value, grads, Probes((), (), (), ())
+      return value, grads, Probes((), (), (), (), ())
     single = isinstance(argnums, int) or hasattr(argnums, "argnum")  # nnx.DiffState
     lead = argnums if single else argnums[0]
     first = getattr(lead, "argnum", lead) % len(args)
@@ -248,7 +263,7 @@ def value_and_grad_with_probes(
     def measured(*packed, **kw):
       unpacked = list(packed)
       unpacked[first], stats = packed[first]
-      with _SESSION(_Measurement(stats, **options)):
+      with _SESSION(_Measurement(stats, sizes, **options)):
         return fun(*unpacked, **kw)
 
     packed = list(args)
@@ -257,7 +272,7 @@ def value_and_grad_with_probes(
     (first_grads, cotangents), *rest = (grads,) if single else grads
     grads = first_grads if single else (first_grads, *rest)
     lengths = tuple(v.shape[0] if v.ndim == 3 else None for v in stats.values())
-    return value, grads, Probes(tuple(stats), lengths, order,
+    return value, grads, Probes(tuple(stats), lengths, tuple(map(sizes.get, stats)), order,
                                 tuple(map(cotangents.get, stats)))
 
   return value_grads_and_probes
@@ -286,9 +301,9 @@ def _discover_with_fallbacks(fun, args, kwargs):
   raise errors[-1]
 
 
-def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
+def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple]:
   """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
-  and `Probes.order`."""
+  their sizes and `Probes.order`."""
   leaves, rebuild = _copier((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
@@ -305,8 +320,8 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, tuple]:
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
   stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
            for name, n in session.lengths.items()}
-  return stats, _probe_order.forward_order(session.lengths, session.hits,
-                                           _probe_order.loops(program.jaxpr))
+  return stats, session.sizes, _probe_order.forward_order(
+      session.lengths, session.hits, _probe_order.loops(program.jaxpr))
 
 
 def _copier(tree: Any) -> tuple[list, Callable[[list], Any]]:

@@ -57,14 +57,28 @@ def twice(w, x):
   return jnp.sum(layer(layer(x)) * jnp.array([1.0, 300.0]))
 
 
-def test_a_probe_hit_twice_sums_fractions_and_keeps_the_max_at_binade_resolution():
+def test_a_probe_hit_twice_sums_counts_and_keeps_the_max_at_binade_resolution():
   _, _, probes = with_probes(twice)(jnp.float32(1.0), jnp.array([0.5, 0.0]))
   summary = diagnostics.summarize(probes)["shared"]
-  encoded = probes.encoded[0]  # per tensor: max, zero and subnormal fractions, one-hot
-  assert float(encoded[0, 1]) == 1.0 and float(encoded[:, 3:].sum()) == 4  # 1/2 + 1/2, 2 x 2
+  encoded = probes.encoded[0]  # per tensor: max, zero and subnormal counts, one-hot
+  assert probes.sizes == (2,)  # each hit's elements: the counts are divided when read
+  assert float(encoded[0, 1]) == 2.0 and float(encoded[:, 3:].sum()) == 4  # 1 + 1, 2 x 2
   assert summary.hits == 2 and summary.forward.zero_fraction == 0.5  # x[1] = 0 each time
   # Outer hit: 300 (binade 2**8). Inner: 300 * tanh'(tanh(0) = 0) = 300 too.
   assert summary.backward.max_abs == 256.0 and summary.headroom == 7
+
+
+def test_a_probe_hit_with_tensors_of_two_sizes_averages_each_hits_fractions():
+  # One zero of 2 elements, then 3 zeros of 4: fractions 1/2 and 3/4, averaged over hits.
+  def loss(w):
+    small = pr.probe(w[:2] * jnp.array([1.0, 0.0]), "shared")
+    large = pr.probe(w * jnp.array([1.0, 0.0, 0.0, 0.0]), "shared")
+    return jnp.sum(small) + jnp.sum(large)
+
+  _, _, probes = with_probes(loss)(jnp.ones(4))
+  summary = probes["shared"]
+  assert probes.sizes == (None,) and summary.hits == 2
+  assert float(summary.forward.zero_fraction) == (1 / 2 + 3 / 4) / 2
 
 
 @pytest.mark.parametrize("largest, bottom", [

@@ -169,6 +169,25 @@ def test_a_probe_in_a_scan_over_layers_gives_one_row_per_layer():
     assert rows.headroom[i] == layer.headroom
 
 
+def test_a_probe_in_a_scan_stacks_only_its_activations_three_figures_per_layer():
+  # The row index rides along from the scan's inputs; a row selected, or an in-range flag
+  # computed, in the forward pass would be one more residual stacked per layer (and one
+  # more kernel for XLA to compile).
+  def stacked_outputs(jaxpr):  # of every scan, inside jitted functions too
+    inner = [sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub for e in jaxpr.eqns
+             for sub in e.params.values() if isinstance(sub, ClosedJaxpr) or hasattr(sub, "eqns")]
+    return [(v.aval.dtype, v.aval.shape) for e in jaxpr.eqns if e.primitive.name == "scan"
+            for v in e.outvars[e.params["num_carry"]:]] + [
+                out for sub in inner for out in stacked_outputs(sub)]
+
+  stacked = lambda fun: stacked_outputs(jax.make_jaxpr(fun)(jnp.stack(PARAMS), X).jaxpr)
+  unprobed, probed = stacked(jax.value_and_grad(scanned)), stacked(with_probes(scanned))
+  extra = list(probed)
+  for residual in unprobed:
+    extra.remove(residual)
+  assert extra == [(jnp.dtype(jnp.float32), (len(PARAMS), 3))]
+
+
 def test_a_traced_index_out_of_range_drops_its_hit_instead_of_giving_it_to_an_end_row():
   # Off by one: layer i measured as row i + 1. Clamped, the last layer's hit went to row 3,
   # which then summed two layers; dropped, no row has it and the table shows the miss.
