@@ -85,7 +85,7 @@ def largest_gradient(encoded: Sequence[jax.Array]) -> jax.Array:
   column = lax.broadcasted_iota(jnp.int32, binades.shape, 1)
   hits, top = lax.reduce((binades, jnp.where(binades > 0, column, 0)),
                          (np.float32(0), np.int32(0)), _hits_and_top, (1,))
-  bound = 2 * lax.bitcast_convert_type(top << 23, jnp.float32)  # see `_binade_bottom`
+  bound = 2 * _power_of_two(top)
   return jnp.max(jnp.where(hits == 1, rows[:, 0], bound))
 
 
@@ -108,8 +108,12 @@ def _binade_bottom(binades):
   are that power of two (255 gives inf; 0, zero and float32 subnormals, gives 0).
   """
   column = lax.broadcasted_iota(jnp.int32, binades.shape, binades.ndim - 1)
-  top = jnp.max(jnp.where(binades > 0, column, 0), axis=-1)
-  return lax.bitcast_convert_type(top << 23, jnp.float32)
+  return _power_of_two(jnp.max(jnp.where(binades > 0, column, 0), axis=-1))
+
+
+def _power_of_two(binade):
+  """The power of two at the bottom of float32's binade `binade` (a biased exponent)."""
+  return lax.bitcast_convert_type(binade << 23, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=1)  # traced once per shape, not once per probe
