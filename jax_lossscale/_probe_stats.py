@@ -9,6 +9,7 @@ largest magnitude's float32 exponent, which counts the hits and keeps the top bi
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -118,8 +119,8 @@ def _power_of_two(binade):
 
 @functools.partial(jax.jit, static_argnums=1)  # traced once per shape, not once per probe
 def values(t: jax.Array, fractions: bool) -> jax.Array:
-  """float32 `[VALUES]` of one tensor, from one variadic reduction: its largest
-  magnitude, its zero and subnormal counts (as fractions of its size if `fractions`)."""
+  """float32 `[VALUES]` of one tensor, read once: its largest magnitude, its zero and
+  subnormal counts (as fractions of its size if `fractions`)."""
   return jnp.stack(_reduced(t, fractions))
 
 
@@ -130,14 +131,35 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
   magnitude (NaN above inf), and integer compares cost XLA:CPU half the float ones on
   this step, whose float16 arithmetic it emulates element by element (benchmarks/
   RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
+
+  Reduced in rows, then over the rows' partial results (`_kept_axes`): XLA:CPU runs a
+  reduction to rows on all its threads, a reduction to one value on one.
   """
   # A gradient known when compiling (the loss a sum of the probed tensor) would otherwise
   # be reduced by XLA's constant folding, element by element, at compile time.
   t = lax.optimization_barrier(t)
-  largest, zeros, subnormals = lax.reduce(bit_operands(t), _bit_init(t), _combine,
-                                          tuple(range(t.ndim)))
+  kept, operands = _kept_axes(t.shape), bit_operands(t)
+  if kept:
+    operands = lax.reduce(operands, _bit_init(t), _combine, tuple(range(kept, t.ndim)))
+  largest, zeros, below_normal = lax.reduce(operands, _bit_init(t), _combine,
+                                            tuple(range(kept or t.ndim)))
   count = lambda c: c.astype(jnp.float32) / (max(t.size, 1) if fractions else 1)
-  return as_magnitude(largest, t.dtype).astype(jnp.float32), count(zeros), count(subnormals)
+  return (as_magnitude(largest, t.dtype).astype(jnp.float32), count(zeros),
+          count(below_normal - zeros))
+
+
+ROWS = 16  # at least: enough rows for a CPU's threads
+ROW_LENGTH = 64  # at least: so the partial results are a small part of what is read
+
+
+def _kept_axes(shape: tuple[int, ...]) -> int:
+  """How many leading axes the first of a tensor's two reductions keeps: the fewest
+  holding `ROWS` rows (all but the last, at most), or 0 for one reduction of the whole
+  (one row, or rows shorter than `ROW_LENGTH`)."""
+  kept = 0
+  while kept < len(shape) - 1 and math.prod(shape[:kept]) < ROWS:
+    kept += 1
+  return kept if math.prod(shape[:kept]) > 1 and math.prod(shape[kept:]) >= ROW_LENGTH else 0
 
 
 def _combine(a, b):  # one function, so that lax traces it once per dtype
@@ -175,14 +197,15 @@ def _bits(dtype) -> jnp.dtype:
 
 
 def bit_operands(t):
-  """`|t|`'s bit patterns, and int32 flags of its zeros and of its nonzero values below
-  float16's smallest normal. (The same in `lax` calls, with the constants broadcast
-  to `t`'s shape, traced faster but made XLA split the step's kernels differently:
-  10.8% more bytes, not 5.1%.)"""
+  """`|t|`'s bit patterns, and int32 flags of its zeros and of its values below float16's
+  smallest normal, zeros among them (the subnormals are the difference of the sums: one
+  compare less per element). (The same in `lax` calls, with the constants broadcast to
+  `t`'s shape, traced faster but made XLA split the step's kernels differently: 10.8%
+  more bytes, not 5.1%.)"""
   ints = _bits(t.dtype)
   bits = lax.bitcast_convert_type(t, ints) & jnp.iinfo(ints).max
   normal = np.asarray(FLOAT16_SMALLEST_NORMAL, t.dtype).view(ints)
-  return bits, (bits == 0).astype(jnp.int32), ((bits != 0) & (bits < normal)).astype(jnp.int32)
+  return bits, (bits == 0).astype(jnp.int32), (bits < normal).astype(jnp.int32)
 
 
 def _bit_init(t):

@@ -104,11 +104,37 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
   x[0, 0, :2], x[1, 2, 3], x[2, 2, 2] = 0.0, np.inf, 2.0**-20  # zeros, inf, a subnormal
   x, g = jnp.asarray(x, dtype), jnp.asarray(x[::-1] * 1e-3, dtype).at[3, 1, 1].set(jnp.nan)
   for t in (x, g):
-    bits, zeros, subnormal = _probe_stats.bit_operands(t)
+    bits, zeros, below_normal = _probe_stats.bit_operands(t)
     magnitude = np.where(np.isnan(np.float32(t)), np.inf, np.abs(np.float32(t)))
     np.testing.assert_array_equal(np.float32(_probe_stats.as_magnitude(bits, t.dtype)), magnitude)
     np.testing.assert_array_equal(zeros, magnitude == 0)
-    np.testing.assert_array_equal(subnormal, (magnitude > 0) & (magnitude < 2.0**-14))
+    np.testing.assert_array_equal(below_normal, magnitude < 2.0**-14)
+
+
+@pytest.mark.parametrize("shape, kept", [
+    ((384, 64, 16), 1),  # rows of the first axis
+    ((1, 3, 8, 70), 3),  # enough rows only from the third axis on
+    ((4, 100), 1),  # few rows, long enough
+    ((300, 2), 0),  # rows too short: one reduction
+    ((1, 1, 500), 0),  # one row
+    ((500,), 0),
+    ((), 0),
+])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_a_tensor_reduced_in_rows_then_over_them_gives_what_numpy_counts(shape, kept, dtype):
+  assert _probe_stats._kept_axes(shape) == kept
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=shape) * 10.0 ** rng.integers(-10, 3, size=shape)
+  x.reshape(-1)[::7] = 0.0
+  x = np.asarray(x, dtype)
+  if x.size > 1:
+    x.reshape(-1)[-1] = np.inf if dtype == jnp.float32 else np.nan  # the last row's last
+  magnitude = np.where(np.isnan(np.float32(x)), np.inf, np.abs(np.float32(x)))
+  expected = [magnitude.max(), (magnitude == 0).sum(),
+              ((magnitude > 0) & (magnitude < 2.0**-14)).sum()]
+  np.testing.assert_array_equal(_probe_stats.values(jnp.asarray(x), False), expected)
+  np.testing.assert_allclose(_probe_stats.values(jnp.asarray(x), True),
+                             np.array(expected) / [1, x.size, x.size], rtol=1e-7)
 
 
 def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
