@@ -132,8 +132,8 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
   this step, whose float16 arithmetic it emulates element by element (benchmarks/
   RESULTS.md, "Probes"). float32 subnormals count as the nonzero numbers they are.
 
-  Reduced in rows, then over the rows' partial results (`_kept_axes`): XLA:CPU runs a
-  reduction to rows on all its threads, a reduction to one value on one.
+  A large tensor is reduced in rows, then over the rows' partial results (`_kept_axes`):
+  XLA:CPU runs a reduction to rows on all its threads, a reduction to one value on one.
   """
   # A gradient known when compiling (the loss a sum of the probed tensor) would otherwise
   # be reduced by XLA's constant folding, element by element, at compile time.
@@ -148,18 +148,22 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
           count(below_normal - zeros))
 
 
+# A tensor is reduced in rows from this size on: a reduction on all threads, then one of
+# the rows' partials, compile to two kernels, not one (benchmarks/RESULTS.md, "Probes").
+SPLIT_SIZE = 2**22
 ROWS = 16  # at least: enough rows for a CPU's threads
 ROW_LENGTH = 64  # at least: so the partial results are a small part of what is read
 
 
 def _kept_axes(shape: tuple[int, ...]) -> int:
   """How many leading axes the first of a tensor's two reductions keeps: the fewest
-  holding `ROWS` rows (all but the last, at most), or 0 for one reduction of the whole
-  (one row, or rows shorter than `ROW_LENGTH`)."""
+  holding `ROWS` rows (all but the last, at most); 0 for one reduction of the whole (a
+  tensor below `SPLIT_SIZE`, one row, or rows shorter than `ROW_LENGTH`)."""
   kept = 0
   while kept < len(shape) - 1 and math.prod(shape[:kept]) < ROWS:
     kept += 1
-  return kept if math.prod(shape[:kept]) > 1 and math.prod(shape[kept:]) >= ROW_LENGTH else 0
+  rows, length = math.prod(shape[:kept]), math.prod(shape[kept:])
+  return kept if rows * length >= SPLIT_SIZE and rows > 1 and length >= ROW_LENGTH else 0
 
 
 def _combine(a, b):  # one function, so that lax traces it once per dtype

@@ -112,17 +112,23 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
 
 
 @pytest.mark.parametrize("shape, kept", [
-    ((384, 64, 16), 1),  # rows of the first axis
-    ((1, 3, 8, 70), 3),  # enough rows only from the third axis on
-    ((4, 100), 1),  # few rows, long enough
-    ((300, 2), 0),  # rows too short: one reduction
-    ((1, 1, 500), 0),  # one row
-    ((500,), 0),
+    ((1024, 64, 64), 1),  # rows of the first axis
+    ((1, 2, 8, 2**18), 3),  # enough rows only from the third axis on
+    ((4, 2**20), 1),  # few rows, long enough
+    ((2**21, 2), 0),  # rows too short: one reduction
+    ((1, 1, 2**22), 0),  # one row
+    ((2**22,), 0),
+    ((1023, 64, 64), 0),  # below the size worth a second kernel
+    ((384, 64, 16), 0),
     ((), 0),
 ])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
-def test_a_tensor_reduced_in_rows_then_over_them_gives_what_numpy_counts(shape, kept, dtype):
+def test_a_tensor_is_reduced_in_rows_where_they_are_many_long_and_large(shape, kept):
   assert _probe_stats._kept_axes(shape) == kept
+
+
+@pytest.mark.parametrize("shape", [(1024, 64, 64), (1, 2, 8, 2**18), (384, 64, 16), ()])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_a_tensor_reduced_in_rows_or_whole_gives_what_numpy_counts(shape, dtype):
   rng = np.random.default_rng(1)
   x = rng.normal(size=shape) * 10.0 ** rng.integers(-10, 3, size=shape)
   x.reshape(-1)[::7] = 0.0
