@@ -68,7 +68,7 @@ def scaled_value_and_grad(
       is probed automatically, and `jax_lossscale.diagnostics.probe(x, name)` marks any
       other point. Each probe measures its activation and, in the backward pass, its
       gradient (largest magnitude, finite or not, zero and float16-subnormal
-      fractions), with one reduction each and no host callback.
+      fractions), reading each once, with no host callback.
 
   Returns:
     A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
