@@ -1,6 +1,7 @@
 """Helpers shared by the test files."""
 
 import contextlib
+import os
 
 import chex
 import jax
@@ -30,6 +31,14 @@ def force_branch(name: str):
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_emit, "on_cpu", lambda: jnp.array(name == "cpu"))
     yield
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+  """This process's environment without its XLA_ and JAX_ settings, plus `extra`: for a
+  subprocess that must start from JAX's defaults (`XLA_FLAGS=...` forces CPU devices)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+  env.update(extra)
+  return env
 
 
 def assert_trees_close(actual, expected, rtol=RTOL):

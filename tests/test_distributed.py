@@ -4,7 +4,6 @@ The 8-device cases live in `multidevice_cases.py` and run in a subprocess that f
 8 CPU devices; the multi-process case starts two `jax.distributed` processes.
 """
 
-import os
 import pathlib
 import socket
 import subprocess
@@ -13,14 +12,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import clean_env
 
 HERE = pathlib.Path(__file__).parent
-
-
-def clean_env(**extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-  env.update(extra)
-  return env
 
 
 def test_multidevice_cases_on_8_forced_cpu_devices():
