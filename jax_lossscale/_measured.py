@@ -9,6 +9,7 @@ measurement: the maximum exceeded `65504 / scale`, so at half the scale it might
 A gradient no probe sees can overflow where the measurements say the scale fits: the
 scale that overflowed becomes a ceiling, held for `history` steps, then tried again;
 each time the retry overflows, the next ceiling is held twice as long (up to 64 times).
+An overflow at a scale not yet run finite under the ceiling lowers the ceiling to it.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class MeasuredLossScale(LossScale):
   again; an overflow on that first step back (a strike) holds the next ceiling twice as
   long (4, 8, ... up to 64 times `history`), so such a gradient costs skipped steps that
   grow with the logarithm of the run's length, where `DynamicLossScale` skips one step
-  every growth period. A NaN that no scale avoids (a bad example) skips its step and
-  halves the scale for `history` steps, but does not lower the ceiling. Under
+  every growth period. With a margin, an overflow drops the scale more than one doubling
+  and it climbs back below the ceiling once the overflow leaves the history: an overflow
+  at a scale that has not run finite since the ceiling was set lowers the ceiling to it.
+  A NaN that no scale avoids (a bad example, at a scale already proven) skips its step
+  and halves the scale for `history` steps, but does not lower the ceiling. Under
   `optax.MultiSteps`, each micro-batch is a step of the history.
 
   Args:
@@ -68,10 +72,11 @@ class MeasuredLossScale(LossScale):
     min_loss_scale: the floor, a positive float32 normal.
     max_loss_scale: the cap (default 2**24: beyond it float16 gradients of 2**-24, the
       smallest subnormal, would already be 1).
-    current_loss_scale, maxima, ceiling, patience, strikes: the state: the scale and
-      the recent maxima (float32 scalar, `[history]`); the last scale that overflowed
-      (float32, 0 before any), the steps its ceiling still holds (int32; counting down
-      below 0 once lifted, to `-history`) and the strikes (int32).
+    current_loss_scale, maxima, ceiling, patience, strikes, proven: the state: the
+      scale and the recent maxima (float32 scalar, `[history]`); the last scale that
+      overflowed (float32, 0 before any), the steps its ceiling still holds (int32;
+      counting down below 0 once lifted, to `-history`), the strikes (int32) and the
+      largest scale that ran finite since the ceiling was set (float32).
 
   Raises:
     ValueError: naming the argument, for a value outside these ranges.
@@ -88,6 +93,7 @@ class MeasuredLossScale(LossScale):
   ceiling: jax.Array = state_field()
   patience: jax.Array = state_field()
   strikes: jax.Array = state_field()
+  proven: jax.Array = state_field()
   _measures = True  # the step passes it what was measured
 
   def __post_init__(self):
@@ -117,7 +123,8 @@ class MeasuredLossScale(LossScale):
         "maxima": (np.zeros(self.history), f32, 0.0, _numerics.FLOAT32_MAX),
         "ceiling": (0.0, f32, 0.0, _numerics.FLOAT32_MAX),
         "patience": (-self.history, i32, -self.history, self.history << _MAX_STRIKES),
-        "strikes": (0, i32, 0, _MAX_STRIKES)})
+        "strikes": (0, i32, 0, _MAX_STRIKES),
+        "proven": (0.0, f32, 0.0, _numerics.FLOAT32_MAX)})
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
@@ -141,34 +148,39 @@ class MeasuredLossScale(LossScale):
     target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,
                                                 -126, 127))
     target = jnp.where(largest > 0, target, np.float32(self.max_loss_scale))
-    ceiling, patience, strikes = self._ceiling(overflow, scale)
+    ceiling, patience, strikes, proven = self._ceiling(overflow, scale)
     target = jnp.minimum(target, jnp.where(patience > 0, ceiling / 2, jnp.where(
         patience > -self.history, ceiling, jnp.inf)))
     target = jnp.clip(target, np.float32(self.min_loss_scale), np.float32(self.max_loss_scale))
     return with_state(self, current_loss_scale=target, maxima=maxima, ceiling=ceiling,
-                      patience=patience, strikes=strikes)
+                      patience=patience, strikes=strikes, proven=proven)
 
   def _ceiling(self, overflow: jax.Array, scale: jax.Array):
-    """The ceiling, its patience and the strikes after this step.
+    """The ceiling, its patience, the strikes and the proven scale after this step.
 
     An overflow makes the scale it ran at the ceiling: for `history << strikes` steps
     the scale stays below it, for `history` more at most at it, then it is free. An
-    overflow on the first step back at the ceiling is a strike (the ceiling was right);
-    one while it holds, more than `history` steps after the last, changes nothing but
-    the history (a NaN that no scale avoids must not drive the ceiling down).
+    overflow on the first step back at the ceiling is a strike (the ceiling was right).
+    One while it holds, more than `history` steps after the last, at a scale that has
+    already run finite since the ceiling was set, changes nothing but the history (a NaN
+    that no scale avoids must not drive the ceiling down); at a scale not yet proven (with
+    a margin, the scale climbs back below the ceiling only once the overflow leaves the
+    history), it lowers the ceiling to that scale.
     """
     ceiling = jnp.asarray(self.ceiling, jnp.float32)
     patience = jnp.asarray(self.patience, jnp.int32)
     strikes = jnp.asarray(self.strikes, jnp.int32)
+    proven = jnp.asarray(self.proven, jnp.float32)
     held = np.int32(self.history) << strikes
     struck = (patience == 0) & (scale >= ceiling)
-    stale = (patience > 0) & (patience <= held - self.history)
+    stale = (patience > 0) & (patience <= held - self.history) & (scale <= proven)
     strikes = jnp.where(overflow, jnp.where(patience <= -self.history, 0, jnp.where(
         struck, jnp.minimum(strikes + 1, _MAX_STRIKES), strikes)), strikes)
     moved = overflow & ~stale
     patience = jnp.where(moved, np.int32(self.history) << strikes,
                          jnp.maximum(patience - 1, -self.history))
-    return jnp.where(moved, scale, ceiling), patience, strikes
+    proven = jnp.where(moved, 0, jnp.where(overflow, proven, jnp.maximum(proven, scale)))
+    return jnp.where(moved, scale, ceiling), patience, strikes, proven
 
 
 def _log2_floor_ratio(a: jax.Array, b: jax.Array) -> jax.Array:
