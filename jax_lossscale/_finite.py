@@ -19,13 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 from jax_lossscale import _trees
-
-try:  # The named axes in scope, `vmap`'s included: only private (`_named_vmap_axes`).
-  from jax._src.core import unsafe_get_axis_names as _axis_names_in_scope
-except ImportError:  # pragma: no cover
-  _axis_names_in_scope = None
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -176,18 +172,9 @@ def manual_axes(value: Any) -> tuple[Hashable, ...]:
     mesh = jax.sharding.get_abstract_mesh()
   types = mesh.axis_types
   if all(t == jax.sharding.AxisType.Auto for t in types):
-    return _named_vmap_axes()
+    return _jax_internals.axis_names_in_scope()  # (vmap's, pmap's one-device stand-in)
   manual = jax.sharding.AxisType.Manual
   return tuple(n for n, t in zip(mesh.axis_names, types, strict=True) if t == manual)
-
-
-def _named_vmap_axes() -> tuple[Hashable, ...]:
-  """The named axes in scope (with no Manual or Explicit mesh axis: `vmap`'s).
-
-  JAX lists them only privately, the one private API used here; a JAX without it gives
-  none (`tests/test_finite.py` checks the installed JAX).
-  """
-  return () if _axis_names_in_scope is None else tuple(_axis_names_in_scope())
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:

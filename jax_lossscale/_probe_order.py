@@ -13,9 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr
-from jax.extend.core import Jaxpr
-from jax.extend.core import Literal
+
+from jax_lossscale import _jax_internals as _jax
 
 MARK = 1 << 30  # a hit's marker: MARK + its number
 
@@ -26,7 +25,7 @@ def marked(x: Any, hit: int, index: Any) -> Any:
   return lax.optimization_barrier((x, np.int32(MARK + hit), *([index] if traced else [])))[0]
 
 
-def loops(jaxpr: Jaxpr) -> dict[int, tuple[int, bool] | None]:
+def loops(jaxpr: _jax.Program) -> dict[int, tuple[int, bool] | None]:
   """Hit -> the loop, `(id, reverse)`, that its row index comes from (else the innermost
   `scan` or `while` around it, or None): a `scan(..., reverse=True)` runs its rows last to
   first."""
@@ -38,53 +37,54 @@ def loops(jaxpr: Jaxpr) -> dict[int, tuple[int, bool] | None]:
 def _walk(jaxpr, origin: dict, chain: tuple, found: dict) -> None:
   """Records the hits of `jaxpr`; `origin` maps a variable to `(depth, loop)`, the
   innermost loop whose iterations it changes with; `chain` is the loops around."""
-  deepest = lambda names: max((origin[v] for v in names if not isinstance(v, Literal)
-                               and v in origin), default=None, key=lambda o: o[0])
-  for eqn in jaxpr.eqns:
-    args = list(eqn.invars)
-    if eqn.primitive.name == "optimization_barrier":
-      at = next((i for i, v in enumerate(args) if isinstance(v, Literal)
-                 and v.aval.dtype == np.int32 and int(v.val) >= MARK), None)
+  def deepest(names):
+    known = [origin[v] for v in names if not _jax.is_literal(v) and v in origin]
+    return max(known, default=None, key=lambda o: o[0])
+
+  for eqn in _jax.equations(jaxpr):
+    args = _jax.operands(eqn)
+    if _jax.primitive_name(eqn) == "optimization_barrier":
+      at = next((i for i, v in enumerate(args) if _is_marker(v)), None)
       if at is not None:  # a marker (a `jax.grad` inside the loss adds float0 ones)
         index = args[at + 1:at + 2]  # a traced row index follows its marker
-        index = [v for v in index if not isinstance(v, Literal) and np.issubdtype(
-            v.aval.dtype, np.integer)]
+        index = [v for v in index if not _jax.is_literal(v)
+                 and np.issubdtype(_jax.dtype_of(v), np.integer)]
         source = deepest(index)
-        found[int(args[at].val) - MARK] = source[1] if source else (chain[-1] if chain else None)
+        hit = int(_jax.literal_value(args[at])) - MARK
+        found[hit] = source[1] if source else (chain[-1] if chain else None)
     _enter(eqn, args, origin, chain, found, deepest)
     out = deepest(args)
-    origin.update({v: out for v in eqn.outvars if out is not None})
+    origin.update({v: out for v in _jax.results(eqn) if out is not None})
+
+
+def _is_marker(operand) -> bool:
+  return (_jax.is_literal(operand) and _jax.dtype_of(operand) == np.int32
+          and int(_jax.literal_value(operand)) >= MARK)
 
 
 def _enter(eqn, args, origin, chain, found, deepest) -> None:
   """Walks the programs inside `eqn`, their inputs' origins taken from its operands (a
   loop's carry and sliced inputs change with the loop itself)."""
-  name, params = eqn.primitive.name, eqn.params
-  if name in ("scan", "while"):
-    loop = (id(eqn), bool(params.get("reverse", False)))
-    own = (len(chain) + 1, loop)
-    if name == "scan":
-      body, consts = params["jaxpr"], args[:params["num_consts"]]
-    else:
-      body = params["body_jaxpr"]
-      consts = args[params["cond_nconsts"]:params["cond_nconsts"] + params["body_nconsts"]]
-    inner = getattr(body, "jaxpr", body)
-    sub = {v: origin[c] for v, c in zip(inner.invars, consts, strict=False)  # the consts
-           if not isinstance(c, Literal) and c in origin}
-    sub.update({v: own for v in inner.invars[len(consts):]})
-    _walk(inner, sub, (*chain, loop), found)
+  loop = _jax.loop(eqn)
+  if loop is not None:
+    key = (id(eqn), loop.reverse)
+    own = (len(chain) + 1, key)
+    body_inputs = _jax.inputs(loop.body)
+    sub = {v: origin[c] for v, c in zip(body_inputs, loop.invariant, strict=False)
+           if not _jax.is_literal(c) and c in origin}
+    sub.update({v: own for v in body_inputs[len(loop.invariant):]})
+    _walk(loop.body, sub, (*chain, key), found)
     return
-  for program in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, (ClosedJaxpr, Jaxpr))):
-    if isinstance(program, (ClosedJaxpr, Jaxpr)):
-      inner = getattr(program, "jaxpr", program)
-      operands = args[len(args) - len(inner.invars):] if len(inner.invars) <= len(args) else []
-      if len(operands) == len(inner.invars):  # one to one (a `cond`'s after its predicate)
-        sub = {v: origin[c] for v, c in zip(inner.invars, operands, strict=True)
-               if not isinstance(c, Literal) and c in origin}
-      else:
-        every = deepest(args)
-        sub = {v: every for v in inner.invars} if every else {}
-      _walk(inner, sub, chain, found)
+  for program in _jax.programs(eqn):
+    inner = _jax.inputs(program)
+    operands = args[len(args) - len(inner):] if len(inner) <= len(args) else []
+    if len(operands) == len(inner):  # one to one (a `cond`'s after its predicate)
+      sub = {v: origin[c] for v, c in zip(inner, operands, strict=True)
+             if not _jax.is_literal(c) and c in origin}
+    else:
+      every = deepest(args)
+      sub = {v: every for v in inner} if every else {}
+    _walk(program, sub, chain, found)
 
 
 def forward_order(lengths: dict, hits: list, loops_of_hits: dict) -> tuple:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 
 
@@ -211,17 +212,9 @@ def negative_zeros_like(tree: Any, like: Any = None) -> Any:
 def varying_like(x: jax.Array, target: Any) -> jax.Array:
   """`x`, made to vary over the manual (`shard_map`) axes that `target` varies over."""
   aval = target if isinstance(target, jax.ShapeDtypeStruct) else jax.typeof(target)
-  want = varying_axes(aval)
-  missing = tuple(sorted(want - varying_axes(jax.typeof(x))))
+  want = _jax_internals.varying_axes(aval)
+  missing = tuple(sorted(want - _jax_internals.varying_axes(jax.typeof(x))))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def varying_axes(aval: Any) -> frozenset:
-  """The manual (`shard_map`) axes an abstract value varies over; empty outside."""
-  manual = getattr(aval, "manual_axis_type", None)
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

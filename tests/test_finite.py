@@ -214,14 +214,6 @@ def test_an_empty_axis_name_agrees_over_no_axis(none):
   assert flags.tolist() == [True, False, True]
 
 
-def test_the_installed_jax_lists_named_vmap_axes_in_scope():
-  # The one private JAX API the library uses: if a newer JAX drops or changes it, this
-  # fails, and named vmap replicas would no longer agree by default.
-  seen = []
-  jax.vmap(lambda x: seen.append(_finite.manual_axes(x)) or x, axis_name="b")(jnp.ones(2))
-  assert _finite._axis_names_in_scope is not None and seen == [("b",)]
-
-
 def test_an_axis_name_that_is_not_mapped_is_refused_naming_axis_name():
   with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map"):
     jax.jit(lambda g: jls.all_finite(g, axis_name="data"))(jnp.ones(2))

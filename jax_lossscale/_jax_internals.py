@@ -1,0 +1,362 @@
+"""What the library reads from JAX's internals, in one place and in the library's terms.
+
+JAX promises nothing about a traced program's equations (a primitive's parameters, how a
+loop keeps its invariant operands), about `jax._src`, or about which named axes are in
+scope. The library needs a few of those facts; this module is the only one that reads
+them, each with a fallback where JAX moved, and `tests/test_jax_internals.py` pins what is
+read on every supported JAX (0.10.2 on Python 3.11, 0.12 on Python 3.12 and newer), so a
+change of JAX fails one focused test.
+
+What is read, and why:
+
+- `axis_names_in_scope`: the named axes of an enclosing `vmap(..., axis_name=)`, which
+  stands in for `pmap` on one device; JAX lists them only in `jax._src.core`.
+- `varying_axes`: the `shard_map` axes an abstract value varies over (`aval.vma`, or
+  `aval.manual_axis_type.varying` where JAX kept them there).
+- `programs`, `loop`, `is_literal`, `literal_value`: a traced program's equations, the
+  programs inside an equation (a loop's body, a branch, a jitted function), a loop's
+  body with its loop-invariant operands and direction (scan's parameters changed in
+  jax 0.11: `num_consts` became the first part of `ft_in`), and literal operands; the
+  probes read them to find the loop a probe's row index comes from.
+- `trace`, `evaluate`, `Operation`, `output_types`, `operations_ran`: a program re-run
+  operation by operation, each operation bound again (with new parameters, or with the
+  programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
+  the one way to trace for exact input types), for `autocast` and its precision summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters import partial_eval as _partial_eval  # tracing for exact types
+from jax.extend import core as _core
+from jax.extend import linear_util as _linear_util
+
+try:  # The named axes in scope, `vmap`'s included: only private.
+  from jax._src.core import unsafe_get_axis_names as _unsafe_get_axis_names
+except ImportError:  # pragma: no cover (a JAX that moved it: no vmap axis is seen)
+  _unsafe_get_axis_names = None
+
+Program = Any  # a `jax.extend.core.Jaxpr` (or `ClosedJaxpr` before jax 0.11)
+Equation = Any  # one of its equations (`JaxprEqn`)
+Operand = Any  # an equation's input: a variable or a literal
+
+
+# Named axes and varying values.
+
+
+def axis_names_in_scope() -> tuple[Hashable, ...]:
+  """The named axes in scope where this is traced (an enclosing `vmap(axis_name=)`'s,
+  `pmap`'s, `shard_map`'s); empty where JAX does not tell."""
+  if _unsafe_get_axis_names is None:  # pragma: no cover
+    return ()
+  return tuple(_unsafe_get_axis_names())
+
+
+def varying_axes(aval: Any) -> frozenset:
+  """The manual (`shard_map`) axes an abstract value varies over; empty outside."""
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+# Traced programs.
+
+
+def jaxpr_of(program: Program) -> Any:
+  """The open program (its `invars`, `eqns`, `outvars`) of a closed or open one."""
+  return getattr(program, "jaxpr", program)
+
+
+def is_program(value: Any) -> bool:
+  return isinstance(value, (_core.ClosedJaxpr, _core.Jaxpr))
+
+
+def equations(program: Program) -> list[Equation]:
+  """The equations of `program`, in order."""
+  return list(jaxpr_of(program).eqns)
+
+
+def inputs(program: Program) -> list[Any]:
+  """The input variables of `program` (its constants' variables not included)."""
+  return list(jaxpr_of(program).invars)
+
+
+def primitive_name(eqn: Equation) -> str:
+  return eqn.primitive.name
+
+
+def operands(eqn: Equation) -> list[Operand]:
+  return list(eqn.invars)
+
+
+def results(eqn: Equation) -> list[Any]:
+  return list(eqn.outvars)
+
+
+def is_literal(operand: Operand) -> bool:
+  """Whether an operand is a constant written into the program (not a variable)."""
+  return isinstance(operand, _core.Literal)
+
+
+def literal_value(operand: Operand) -> Any:
+  """A literal operand's value."""
+  return operand.val
+
+
+def dtype_of(operand: Operand) -> Any:
+  return operand.aval.dtype
+
+
+def programs(eqn: Equation) -> Iterator[Program]:
+  """The programs inside `eqn` (a jitted function's, each branch of a `cond`, a custom
+  rule's), in the order of its parameters; none for a first-order primitive."""
+  leaves = jax.tree.leaves(dict(eqn.params), is_leaf=is_program)
+  return (leaf for leaf in leaves if is_program(leaf))
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """A loop equation (`lax.scan`, `lax.while_loop`, `fori_loop`) in the library's terms.
+
+  Attributes:
+    body: the program run at each iteration.
+    invariant: the loop's operands that the body reads unchanged at every iteration, in
+      the order of the body's first inputs; the body's other inputs change with the loop.
+    reverse: whether the iterations run last to first (`scan(..., reverse=True)`).
+  """
+  body: Program
+  invariant: tuple[Operand, ...]
+  reverse: bool
+
+
+def loop(eqn: Equation) -> Loop | None:
+  """`eqn` as a `Loop`, or `None` if it is no loop."""
+  name, params, args = primitive_name(eqn), eqn.params, operands(eqn)
+  if name == "scan":
+    return Loop(params["jaxpr"], tuple(args[:_scan_consts(params)]),
+                bool(params.get("reverse", False)))
+  if name == "while":
+    start = params["cond_nconsts"]
+    return Loop(params["body_jaxpr"], tuple(args[start:start + params["body_nconsts"]]), False)
+  return None
+
+
+def _scan_consts(params: dict) -> int:
+  """How many of a scan's operands are its loop invariants: `num_consts` up to jax 0.10,
+  from jax 0.11 the size of the first part (consts, carry, xs) of its `ft_in`."""
+  if "num_consts" in params:
+    return params["num_consts"]
+  return len(params["ft_in"].unpack()[0])
+
+
+# Running a program with other precisions (autocast).
+#
+# `autocast` re-runs a traced program operation by operation, binding each primitive on
+# operands it may have cast. What it reads: a program's inputs, outputs and constants, each
+# operation's name, operand and result types, and whether it holds programs; what it does:
+# binds an operation as traced, with changed parameters, or with each program inside it
+# re-traced from a function that runs it (the same input and output types, so the
+# operation's type is unchanged). Sub-programs are plain `Jaxpr`s from jax 0.11 on (closed
+# ones before); scan's parameters changed in 0.11, but only its program is replaced here.
+
+# The parameters holding the programs `Operation.bind_rewritten` replaces, by primitive.
+_PROGRAM_PARAMS = {
+    "jit": ("jaxpr",), "pjit": ("jaxpr",), "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
+    "scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",),
+    "custom_jvp_call": ("call_jaxpr",), "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueType:
+  """The type a value had when its program was traced.
+
+  Attributes:
+    dtype: its dtype (None for a value that is not an array, such as a token).
+    weak: whether it was weakly typed (a Python scalar's type, which yields in promotion).
+    scalar_constant: whether it is a scalar written into the program (`x * 2.0` once
+      promoted: weakly typed no more).
+  """
+  dtype: np.dtype | None
+  weak: bool
+  scalar_constant: bool = False
+
+
+def _value_type(atom: Any) -> ValueType:
+  aval = atom.aval
+  return ValueType(getattr(aval, "dtype", None), bool(getattr(aval, "weak_type", False)),
+                   isinstance(atom, _core.Literal) and getattr(aval, "shape", None) == ())
+
+
+def trace(fun: Callable[..., Any], args: list) -> tuple[Program, Any]:
+  """`(program, out_tree)`: the program of `fun(*args)` and the tree of its outputs."""
+  program, shapes = jax.make_jaxpr(fun, return_shape=True)(*args)
+  return program, jax.tree.structure(shapes)
+
+
+def output_types(program: Program) -> tuple[ValueType, ...]:
+  """The types of `program`'s outputs, as traced."""
+  return tuple(map(_value_type, jaxpr_of(program).outvars))
+
+
+def _constants(program: Program) -> list:
+  return list(getattr(program, "consts", None) or [])
+
+
+def evaluate(program: Program, args: list, run: Callable[[Operation, list], list]) -> list:
+  """`program`'s outputs on `args`, each operation computed by `run(operation, operands)`,
+  which returns its results (a list, one per result)."""
+  jaxpr = jaxpr_of(program)
+  env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]  # noqa: E731
+  for eqn in jaxpr.eqns:
+    env.update(zip(eqn.outvars, run(Operation(eqn), [read(v) for v in eqn.invars]),
+                   strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Operation:
+  """One operation (equation) of a program: a primitive bound to operands."""
+  eqn: Equation
+
+  @property
+  def name(self) -> str:
+    return self.eqn.primitive.name
+
+  @property
+  def inputs(self) -> tuple[ValueType, ...]:
+    """Its operands' types, as traced."""
+    return tuple(map(_value_type, self.eqn.invars))
+
+  @property
+  def outputs(self) -> tuple[ValueType, ...]:
+    return tuple(map(_value_type, self.eqn.outvars))
+
+  @property
+  def multiple_results(self) -> bool:
+    return self.eqn.primitive.multiple_results
+
+  def param(self, key: str, default: Any = None) -> Any:
+    return self.eqn.params.get(key, default)
+
+  @property
+  def holds_programs(self) -> bool:
+    """Whether programs run inside it (a loop's body, a branch, a jitted function)."""
+    return next(programs(self.eqn), None) is not None
+
+  @property
+  def rewritable(self) -> bool:
+    """Whether `bind_rewritten` can replace every program inside it."""
+    if self.name == "shard_map":
+      return True
+    keys = _PROGRAM_PARAMS.get(self.name)
+    return keys is not None and all(
+        key in keys for key, value in self.eqn.params.items()
+        if any(map(is_program, jax.tree.leaves(value, is_leaf=is_program))))
+
+  def bind(self, operands: list, **params: Any) -> list:
+    """Its results on `operands`, with `params` replacing its parameters of those names."""
+    eqn = self.eqn
+    bind_params = eqn.primitive.get_bind_params({**eqn.params, **params})
+    with eqn.ctx.manager:
+      out = eqn.primitive.bind(*operands, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+  def bind_rewritten(self, operands: list,
+                     interpret: Callable[[Program, list], list]) -> list | None:
+    """Its results on `operands` (of the traced types) with each program inside it run by
+    `interpret(program, args)`, which must return values of the program's output types;
+    None where a program cannot be replaced (it would need new constants).
+
+    A `shard_map` is applied anew through `jax.shard_map` (its program is traced in the
+    manual axes' context); other operations bind with re-traced programs.
+    """
+    params = self.eqn.params
+    if self.name == "shard_map":
+      body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))  # noqa: E731
+      with self.eqn.ctx.manager:
+        return list(jax.shard_map(
+            body, mesh=params["mesh"], in_specs=params["in_specs"],
+            out_specs=params["out_specs"], axis_names=set(params["newly_manual_axes"]),
+            check_vma=params["check_vma"])(*operands))
+    new = {}
+    for key in _PROGRAM_PARAMS[self.name]:
+      value = params[key]
+      many = isinstance(value, (tuple, list))
+      traced = [_retrace(program, interpret) for program in (value if many else [value])]
+      if any(program is None for program in traced):
+        return None
+      new[key] = type(value)(traced) if many else traced[0]
+    return self.bind(operands, **new)
+
+
+def _retrace(program: Program, interpret: Callable[[Program, list], list]) -> Program | None:
+  """`program` traced again from `interpret(program, args)`, for the same input types
+  (a loop body inside `shard_map` keeps its varying axes); None if it needs constants
+  that the kind of `program` cannot hold (an open program)."""
+  jaxpr = jaxpr_of(program)
+  fun = _linear_util.wrap_init(lambda *args: interpret(program, list(args)),
+                               debug_info=jaxpr.debug_info)
+  new, _, consts = _partial_eval.trace_to_jaxpr_dynamic(fun, [v.aval for v in jaxpr.invars])
+  if _core.ClosedJaxpr is not _core.Jaxpr and isinstance(program, _core.ClosedJaxpr):
+    return _core.ClosedJaxpr(new, consts)  # up to jax 0.10: a closed program holds them
+  return None if consts else new
+
+
+@dataclasses.dataclass(frozen=True)
+class Ran:
+  """One operation that computed on floating values, for a precision summary.
+
+  Attributes:
+    name: its primitive.
+    dtype: the widest floating dtype among its operands (its results', for one with no
+      floating operand).
+    backward: whether it depends on the cotangents (it belongs to the backward pass).
+  """
+  name: str
+  dtype: np.dtype
+  backward: bool
+
+
+def operations_ran(program: Program, backward_inputs: Sequence[int]) -> list[Ran]:
+  """The floating operations of `program` and of every program inside it, once per
+  occurrence in the program (a loop body's once); those that depend on the inputs at
+  positions `backward_inputs` (the cotangents) are in the backward pass."""
+  jaxpr = jaxpr_of(program)
+  found: list[Ran] = []
+  _ran(jaxpr, {jaxpr.invars[i] for i in backward_inputs}, False, found)
+  return found
+
+
+def _ran(jaxpr: Any, tainted: set, inside_backward: bool, found: list) -> None:
+  floating = lambda atoms: [a.aval.dtype for a in atoms if jnp.issubdtype(  # noqa: E731
+      getattr(a.aval, "dtype", np.bool_), jnp.floating)]
+  for eqn in jaxpr.eqns:
+    backward = inside_backward or any(
+        not isinstance(v, _core.Literal) and v in tainted for v in eqn.invars)
+    if backward:
+      tainted.update(eqn.outvars)
+    inner = list(programs(eqn))
+    for program in inner:
+      sub = jaxpr_of(program)
+      _ran(sub, set(sub.invars) if backward else set(), backward, found)
+    dtypes = floating(eqn.invars) or floating(eqn.outvars)
+    container = eqn.primitive.name in _PROGRAM_PARAMS or eqn.primitive.name == "shard_map"
+    if dtypes and not container:  # a scatter's combiner program is part of its operation
+      found.append(Ran(eqn.primitive.name, functools.reduce(jnp.promote_types, dtypes),
+                       backward))

@@ -1,0 +1,231 @@
+"""What the library reads from JAX's internals, pinned on the installed JAX.
+
+Every supported JAX (0.10.2 on Python 3.11, 0.12 on Python 3.12 and newer) runs these; a
+JAX that changes one of the facts read fails here, by name, instead of deep in the probes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jax_lossscale import _finite
+from jax_lossscale import _jax_internals as internals
+
+
+def only(program, name):
+  """The one equation of primitive `name` at the top of `program`."""
+  [eqn] = [e for e in internals.equations(program) if internals.primitive_name(e) == name]
+  return eqn
+
+
+def test_a_named_vmap_axis_is_in_scope_inside_the_vmap_only():
+  seen = []
+  jax.vmap(lambda x: seen.append(internals.axis_names_in_scope()) or x, axis_name="b")(
+      jnp.ones(2))
+  assert seen == [("b",)] and internals.axis_names_in_scope() == ()
+
+
+def test_the_replica_axes_of_a_vmap_are_its_named_axes():
+  seen = []
+  jax.vmap(lambda x: seen.append(_finite.manual_axes(x)) or x, axis_name="b")(jnp.ones(2))
+  assert seen == [("b",)]
+
+
+def test_a_value_varies_over_the_shard_map_axes_it_is_split_over():
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def body(split, replicated):
+    seen["split"] = internals.varying_axes(jax.typeof(split))
+    seen["replicated"] = internals.varying_axes(jax.typeof(replicated))
+    return split
+
+  P = jax.sharding.PartitionSpec
+  split = jax.device_put(jnp.ones(2), jax.sharding.NamedSharding(mesh, P("x")))
+  jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))(split, jnp.ones(2))
+  assert seen == {"split": frozenset({"x"}), "replicated": frozenset()}
+  assert internals.varying_axes(jax.typeof(jnp.ones(2))) == frozenset()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scan_is_a_loop_with_its_invariant_operands_first(reverse):
+  w, v = jnp.ones(3), jnp.full(3, 2.0)
+
+  def f(carry, xs):
+    body = lambda c, x: ((c[0] * w + x, c[1] * v), c[0])
+    return lax.scan(body, carry, xs, reverse=reverse)
+
+  program = jax.make_jaxpr(f)((jnp.ones(3), jnp.ones(3)), jnp.ones((4, 3)))
+  eqn = only(program, "scan")
+  loop = internals.loop(eqn)
+  assert len(loop.invariant) == 2 and loop.reverse is reverse
+  assert loop.invariant == tuple(internals.operands(eqn)[:2])
+  assert len(internals.inputs(loop.body)) == 2 + 2 + 1  # invariants, carry, slice
+
+
+def test_a_while_loop_is_a_loop_with_its_body_invariants():
+  def f(x, w):
+    return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * w), (0, x))
+
+  program = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3))
+  eqn = only(program, "while")
+  loop = internals.loop(eqn)
+  assert loop.reverse is False and len(loop.invariant) == 1
+  assert len(internals.inputs(loop.body)) == 1 + 2
+
+
+def test_a_fori_loop_is_a_loop():
+  program = jax.make_jaxpr(lambda x: lax.fori_loop(0, 3, lambda i, c: c * 2, x))(1.0)
+  [eqn] = [e for e in internals.equations(program) if internals.loop(e) is not None]
+  assert internals.primitive_name(eqn) in ("scan", "while")
+
+
+def test_other_equations_are_not_loops():
+  program = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0)
+  assert all(internals.loop(e) is None for e in internals.equations(program))
+
+
+def test_the_programs_inside_an_equation_are_found():
+  def f(x):
+    branched = lax.cond(x[0] > 0, lambda y: y * 2, lambda y: y + 1, x)
+    return jax.jit(lambda y: jnp.sin(y))(branched) + jax.checkpoint(jnp.cos)(x) + jax.nn.relu(x)
+
+  program = jax.make_jaxpr(f)(jnp.ones(3))
+  found = {internals.primitive_name(e): len(list(internals.programs(e)))
+           for e in internals.equations(program)}
+  assert found["cond"] == 2  # a program per branch
+  assert found["remat2"] == 1  # jax.checkpoint's
+  assert sum(count for name, count in found.items() if name in ("jit", "pjit")) == 1
+  assert found["custom_jvp_call"] >= 1  # relu's rule
+  assert found["add"] == 0  # a first-order primitive
+
+
+def test_a_literal_operand_is_told_from_a_variable_with_its_value():
+  program = jax.make_jaxpr(lambda x: lax.optimization_barrier((x, np.int32(7)))[0])(1.0)
+  eqn = only(program, "optimization_barrier")
+  variable, literal = internals.operands(eqn)
+  assert not internals.is_literal(variable) and internals.is_literal(literal)
+  assert int(internals.literal_value(literal)) == 7
+  assert internals.dtype_of(literal) == np.int32 and internals.dtype_of(variable) == np.float32
+  assert len(internals.results(eqn)) == 2
+
+
+# Running a program with other precisions (autocast).
+
+
+def as_traced(op, operands):
+  return op.bind(operands)
+
+
+def test_evaluate_binding_each_operation_as_traced_reproduces_the_function():
+  def f(x, n):
+    h = lax.scan(lambda c, _: (jnp.tanh(c) * 2.0, None), x, None, length=3)[0]
+    return lax.cond(n > 0, jnp.sin, jnp.cos, h), n + 1
+
+  args = [jnp.linspace(0.0, 1.0, 4), jnp.int32(2)]
+  program, out_tree = internals.trace(f, args)
+  outs = jax.tree.unflatten(out_tree, internals.evaluate(program, args, as_traced))
+  expected = f(*args)
+  np.testing.assert_allclose(outs[0], expected[0], rtol=1e-6)
+  assert int(outs[1]) == 3
+  assert [t.dtype for t in internals.output_types(program)] == [np.float32, np.int32]
+
+
+def test_an_operation_tells_its_name_types_and_parameters():
+  program, _ = internals.trace(lambda x: (x @ x) * 2.0, [jnp.ones((2, 2))])
+  seen = []
+  internals.evaluate(program, [jnp.ones((2, 2))], lambda op, xs: seen.append(op) or op.bind(xs))
+  dot, mul = seen
+  assert (dot.name, mul.name) == ("dot_general", "mul")
+  assert dot.inputs[0] == internals.ValueType(np.dtype(np.float32), False, False)
+  assert mul.inputs[1].scalar_constant and not mul.inputs[0].scalar_constant
+  assert dot.outputs[0].dtype == np.float32 and not dot.multiple_results
+  assert dot.param("preferred_element_type") == np.float32
+  assert not dot.holds_programs
+
+
+def test_an_operation_binds_with_changed_parameters():
+  program, _ = internals.trace(lambda x: x @ x, [jnp.ones((2, 2))])
+  run = lambda op, xs: op.bind([x.astype(jnp.float16) for x in xs],  # noqa: E731
+                                   preferred_element_type=jnp.float16)
+  [out] = internals.evaluate(program, [jnp.ones((2, 2))], run)
+  assert out.dtype == jnp.float16
+
+
+HIGHER_ORDER = {
+    "scan": lambda x: lax.scan(lambda c, _: (c * 2, None), x, None, length=2)[0],
+    "while": lambda x: lax.fori_loop(0, 2, lambda i, c: c * 2, x),
+    "cond": lambda x: lax.cond(x[0] > 0, lambda y: y * 2, lambda y: y * 4, x),
+    "jit": lambda x: jax.jit(lambda y: y * 2)(x),
+    "remat2": lambda x: jax.checkpoint(lambda y: y * 2)(x),
+    "custom_jvp_call": lambda x: jax.nn.relu(x) * 2,
+    "custom_vjp_call": lambda x: jax.custom_vjp(lambda y: y * 2, nondiff_argnums=())(x),
+}
+
+
+@pytest.mark.parametrize("name", HIGHER_ORDER)
+def test_the_programs_inside_a_known_operation_are_rewritten_keeping_its_type(name):
+  fun = HIGHER_ORDER[name]
+  if name == "custom_vjp_call":
+    fun = jax.custom_vjp(lambda y: y * 2)
+    fun.defvjp(lambda y: (y * 2, None), lambda _, g: (g * 2,))
+  x = jnp.arange(1.0, 4.0)
+  program, _ = internals.trace(fun, [x])
+  inner = []
+
+  def interpret(sub, args):
+    inner.append(sub)
+    return internals.evaluate(sub, args, as_traced)
+
+  def run(op, operands):
+    if not op.holds_programs:
+      return op.bind(operands)
+    assert op.rewritable
+    return op.bind_rewritten(operands, interpret)
+
+  rewritten, _ = internals.trace(lambda x: internals.evaluate(program, [x], run), [x])
+  np.testing.assert_allclose(internals.evaluate(rewritten, [x], as_traced), [fun(x)])
+  assert inner  # each program inside ran through `interpret`
+  assert jax.grad(lambda x: jnp.sum(internals.evaluate(program, [x], run)[0]))(x).shape == (3,)
+
+
+def test_an_operation_holding_an_unknown_program_is_not_rewritable():
+  opaque = jax.extend.core.Primitive("opaque_call")
+  opaque.def_abstract_eval(lambda x, *, program: x)
+  program, _ = internals.trace(
+      lambda x: opaque.bind(x, program=jax.make_jaxpr(jnp.sin)(x)), [jnp.ones(2)])
+  seen = []
+  internals.evaluate(program, [jnp.ones(2)], lambda op, xs: seen.append(op) or [xs[0]])
+  assert seen[0].holds_programs and not seen[0].rewritable
+
+
+def test_a_shard_map_is_rewritten_through_jax_shard_map():
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  P = jax.sharding.PartitionSpec
+  fun = jax.shard_map(lambda y: lax.psum(y * 2, "x"), mesh=mesh, in_specs=P("x"),
+                      out_specs=P())
+  program, _ = internals.trace(fun, [jnp.ones(2)])
+  ran = []
+
+  def run(op, operands):
+    if op.holds_programs:
+      assert op.rewritable
+      return op.bind_rewritten(operands, lambda sub, args: ran.append(sub) or
+                               internals.evaluate(sub, args, as_traced))
+    return op.bind(operands)
+
+  np.testing.assert_allclose(internals.evaluate(program, [jnp.ones(2)], run)[0], [2.0, 2.0])
+  assert ran
+
+
+def test_operations_that_depend_on_the_cotangents_are_the_backward_pass():
+  def forward_and_backward(x, cotangent):
+    return jax.vjp(lambda x: jnp.sin(x @ x), x)[1](cotangent)
+
+  program, _ = internals.trace(forward_and_backward, [jnp.ones((2, 2)), jnp.ones((2, 2))])
+  ran = internals.operations_ran(program, [1])
+  assert {r.name for r in ran if not r.backward} >= {"dot_general", "sin", "cos"}
+  assert {r.name for r in ran if r.backward} >= {"dot_general", "mul"}
+  assert all(r.dtype == np.float32 for r in ran)
