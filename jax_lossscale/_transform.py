@@ -40,6 +40,13 @@ class LossScalingState(NamedTuple):
       skipped step.
     counts: int32 vector of the step counts below, in one array (one update per step).
     last_applied: bool scalar, whether the last step was applied.
+    last_loss_scale: float32 scalar, the scale the last step's gradients were computed
+      with (`unscale` divides by it; `loss_scale` may already hold the next one); the
+      initial scale before any step.
+    grad_norm: with `loss_scaling(..., grad_norm=True)` or `clip_by_global_norm`, the
+      global L2 norm of the last step's unscaled gradients (before clipping), float32
+      (float64 for float64 gradients), also on a skipped step: inf or NaN when they
+      overflowed, NaN before any step; else None.
 
   The counts, as properties: `skipped_steps` (steps skipped so far),
   `consecutive_skips` (skipped in a row up to now), `nonfinite_loss_steps` (skipped
@@ -56,9 +63,33 @@ class LossScalingState(NamedTuple):
   inner_state: optax.OptState
   counts: jax.Array
   last_applied: jax.Array
+  last_loss_scale: jax.Array | None = None
+  grad_norm: jax.Array | None = None
 
-  def count(self, name: str) -> jax.Array:
+  def count(self, name: str) -> jax.Array:  # pylint: disable=arguments-renamed
+    """The count called `name` (one of `COUNTS`), an int32 array; `state.skipped_steps`
+    and the other properties read the same."""
     return self.counts[..., COUNTS.index(name)]
+
+  @property
+  def hyperparams(self) -> dict[str, Any]:
+    """The `hyperparams` of the `optax.inject_hyperparams` inside, where code that logs
+    them reads them (`opt_state.hyperparams["learning_rate"]`, as levanter does;
+    `optax.tree_utils.tree_get(opt_state, "learning_rate")` also finds them).
+
+    Raises:
+      AttributeError: without exactly one `inject_hyperparams` inside (so `hasattr` is
+        False), naming how many there are.
+    """
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
+    found = [x for x in jax.tree.leaves(self.inner_state, is_leaf=is_kind) if is_kind(x)]
+    if len(found) != 1:
+      raise AttributeError(
+          f"LossScalingState.hyperparams: the inner optimizer state holds {len(found)} "
+          "optax.inject_hyperparams states, not one; read a hyperparameter with "
+          "optax.tree_utils.tree_get(opt_state, 'learning_rate').")
+    return found[0].hyperparams
 
   skipped_steps = property(lambda self: self.count("skipped_steps"))
   consecutive_skips = property(lambda self: self.count("consecutive_skips"))
@@ -115,6 +146,7 @@ def loss_scaling(
     *,
     axis_name: _finite.AxisName = None,
     clip_by_global_norm: float | None = None,
+    grad_norm: bool = False,
 ) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
@@ -158,6 +190,12 @@ def loss_scaling(
       gradients have a norm beyond float32 (about 1.8e19 before unscaling) is skipped
       like an overflow. Inside `shard_map` or `pmap` the norm is of this device's
       gradients, as optax's would be. Around `optax.MultiSteps` it clips each micro-batch.
+      Its norm is recorded as with `grad_norm=True`, at no cost.
+    grad_norm: for gradient-norm logging (what most trainers log): record the global L2
+      norm of each step's unscaled gradients in the state, read by
+      `metrics(opt_state)["grad_norm"]`. Costs one more read of the gradients per step
+      (the check takes their largest magnitude, not their squares); free with
+      `clip_by_global_norm`. `unscale(grads, opt_state)` gives the gradients themselves.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
@@ -165,7 +203,7 @@ def loss_scaling(
 
   Raises:
     TypeError: if `inner` is not an optax transformation, or already a `loss_scaling`.
-    ValueError: for a bad `loss_scale` or `clip_by_global_norm`.
+    ValueError: for a bad `loss_scale`, `clip_by_global_norm` or `grad_norm`.
   """
   _check_inner(inner)
   initial = _serialization.parse(loss_scale, "loss_scale")
@@ -174,7 +212,10 @@ def loss_scaling(
                      "got None.")
   max_norm = None if clip_by_global_norm is None else _validation.clip_norm(
       clip_by_global_norm)
-  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm)
+  if not isinstance(grad_norm, bool):
+    raise ValueError(f"`grad_norm` must be True or False, got {grad_norm!r}.")
+  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm,
+               grad_norm or max_norm is not None)
   return LossScalingTransformation(step.init, step)
 
 
@@ -212,10 +253,12 @@ class _Step:
     `(updates, new_state)`; the updates are `-0.0` on a skipped step.
   """
 
-  def __init__(self, inner, initial: LossScale, axis_name, max_norm):
+  def __init__(self, inner, initial: LossScale, axis_name, max_norm, norm: bool = False):
     self.inner, self.initial = inner, initial  # `inner` as given: `tx.inner`
     self._inner = optax.with_extra_args_support(inner)
-    self.axis_name, self.max_norm = axis_name, max_norm
+    self.axis_name, self.max_norm, self.norm = axis_name, max_norm, norm
+    self._compiled = jax.jit(self._arrays_of_step, static_argnums=0)
+    self._static_outputs: dict = {}  # each signature's static leaves of the step's output
 
   def init(self, params) -> LossScalingState:
     """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""
@@ -231,7 +274,9 @@ class _Step:
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
-        counts=jnp.zeros(len(COUNTS), jnp.int32), last_applied=jnp.ones([], jnp.bool_))
+        counts=jnp.zeros(len(COUNTS), jnp.int32), last_applied=jnp.ones([], jnp.bool_),
+        last_loss_scale=jnp.array(self.initial()),
+        grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None)
 
   def __call__(self, updates, state, params=None, *, loss=None, probes=None, **extra_args):
     return self._step(updates, state, params, loss, probes, extra_args, apply=False)
@@ -247,8 +292,43 @@ class _Step:
     _step_args.update_keywords(extra_args)
     _step_args.grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
+    loss = None if loss is None else _step_args.loss(loss)
+    inputs = (grads, state, params, loss, probes, extra_args)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
+      return self._traced_step(*inputs, apply)
+    return self._eager_step(inputs, apply)
+
+  def _eager_step(self, inputs, apply):
+    """The step called outside any transformation, run as one program compiled once per
+    signature of its inputs: traced afresh on every call, its `lax.cond`s would be new
+    programs, each compiled again and kept in JAX's caches.
+
+    Static leaves (strings and functions of an equinox module, `extra_args` that are not
+    arrays) are part of the signature; unhashable ones leave the step uncompiled.
+    """
+    leaves, treedef = jax.tree.flatten(inputs)
+    static = tuple(None if _trees.is_array(x) else x for x in leaves)
+    try:
+      hash(static)
+    except TypeError:
+      return self._traced_step(*inputs, apply)
+    signature = (treedef, static, apply)
+    arrays = self._compiled(signature, [x if _trees.is_array(x) else None for x in leaves])
+    return _trees.combine(arrays, self._static_outputs[signature])
+
+  def _arrays_of_step(self, signature, arrays):
+    """`_traced_step` on the inputs `signature` and `arrays` make up, returning the
+    arrays of its output (its static leaves are kept by signature)."""
+    treedef, static, apply = signature
+    inputs = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(
+        arrays, static, strict=True)])
+    arrays, self._static_outputs[signature] = _trees.partition(
+        self._traced_step(*inputs, apply))
+    return arrays
+
+  def _traced_step(self, grads, state, params, loss, probes, extra_args, apply):
     decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
-                              probes)
+                              probes, self.norm)
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
@@ -289,6 +369,13 @@ class _Step:
           f"{type(theirs).__name__}({theirs.get_config()}), this transformation's is "
           f"{type(ours).__name__}({ours.get_config()}). Pass the state returned by this "
           "transformation's init (tx.wrap_state(state.inner_state) keeps the optimizer's).")
+    if (state.grad_norm is not None) != self.norm:
+      raise ValueError(
+          "`state` belongs to a loss_scaling that "
+          + ("does not record" if self.norm else "records")
+          + " the gradients' norm (grad_norm=True or clip_by_global_norm), this one "
+          + ("does" if self.norm else "does not")
+          + ": pass tx.wrap_state(state.inner_state) to keep the optimizer's state.")
 
 
 def _traced_once(run, static, inputs):
@@ -347,4 +434,5 @@ def next_state(state: LossScalingState, decision: _decide.Decision, inner_state:
   counts = jnp.where(counts < jnp.iinfo(jnp.int32).max, counts + increments.astype(jnp.int32),
                      counts)  # saturating, as optax.safe_increment
   counts = jnp.where(applied & jnp.array(_STREAKS), 0, counts)
-  return LossScalingState(loss_scale, inner_state, counts, applied)
+  return LossScalingState(loss_scale, inner_state, counts, applied, state.loss_scale(),
+                          decision.grad_norm)

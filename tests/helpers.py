@@ -52,14 +52,19 @@ def assert_trees_close(actual, expected, rtol=RTOL):
     assert error <= rtol * scale + 1e-30, (jax.tree_util.keystr(path), error, scale)
 
 
+COMPILED = "/jax/core/compile/backend_compile_duration"
+TRACED = "/jax/core/compile/jaxpr_trace_duration"  # a function traced to a program
+
+
 @contextlib.contextmanager
-def count_compiles():
-  """Counts XLA compilations inside the block (`jax.monitoring`'s compile events)."""
+def count_compiles(counted: str = COMPILED):
+  """Counts XLA compilations inside the block (`jax.monitoring`'s compile events), or
+  the events `counted` names (`TRACED`: functions traced, a miss of a tracing cache)."""
   count = []
 
   def listen(event, duration, **kwargs):
     del duration, kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
+    if event == counted:
       count.append(event)
 
   jax.monitoring.register_event_duration_secs_listener(listen)

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TRACED
 from helpers import assert_trees_close
+from helpers import count_compiles
 from helpers import force_branch
 
 import jax_lossscale as jls
@@ -1134,3 +1136,22 @@ def test_an_exported_training_step_serializes_without_registering_the_library_ty
   restored = export.deserialize(exported.serialize())
   chex.assert_trees_all_equal(restored.call(grads, state, PARAMS),
                               tx.apply_gradients(grads, state, PARAMS))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_a_step_called_without_jit_compiles_and_traces_only_on_its_first_call(fused):
+  tx = jls.loss_scaling(optax.adam(1e-3))
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+
+  def step(params, state):
+    if fused:
+      return tx.apply_gradients(grads, state, params, loss=1.0)
+    updates, state = tx.update(grads, state, params, loss=1.0)
+    return optax.apply_updates(params, updates), state
+
+  params, state = step(PARAMS, tx.init(PARAMS))
+  with count_compiles() as compiles, count_compiles(TRACED) as traces:
+    for _ in range(50):
+      params, state = step(params, state)
+  assert compiles == [] and traces == []
+  assert int(state.skipped_steps) == 0 and int(state.inner_state[0].count) == 51
