@@ -2,6 +2,9 @@
 
 from jax_lossscale import diagnostics
 from jax_lossscale import presets
+from jax_lossscale._autocast import PrecisionSummary
+from jax_lossscale._autocast import autocast
+from jax_lossscale._autocast import precision_summary
 from jax_lossscale._finite import all_finite
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
@@ -39,7 +42,9 @@ __all__ = (
     "MeasuredLossScale",
     "NoOpLossScale",
     "Policy",
+    "PrecisionSummary",
     "all_finite",
+    "autocast",
     "deserialize",
     "diagnostics",
     "get",
@@ -47,6 +52,7 @@ __all__ = (
     "if_applied",
     "loss_scaling",
     "metrics",
+    "precision_summary",
     "presets",
     "raise_if_stuck",
     "scaled_value_and_grad",

@@ -1,0 +1,328 @@
+"""Operation-level mixed precision: `autocast` runs each primitive at a precision chosen for it.
+
+`autocast(fun)` traces `fun` and runs its program again, primitive by primitive, casting
+operands on the way in, as PyTorch's `torch.autocast` does for its operators:
+
+- **Matmul-class primitives** (`MATMUL`: `dot_general`, `conv_general_dilated`,
+  `ragged_dot`, `ragged_dot_general`) take their floating operands in `compute_dtype` and
+  return it: PyTorch's CUDA float16 list (`mm`, `matmul`, `linear`, `conv*`, `bmm`,
+  `baddbmm`, ...) and TensorFlow's allow list (`MatMul`, `BatchMatMul`, `Conv2D`, ...).
+- **Precision-sensitive primitives** (`FLOAT32`) run in float32:
+  - PyTorch's CUDA float32 list, mapped to primitives: `exp`, `expm1`, `log`, `log1p`,
+    `pow`, `rsqrt`, `erf_inv`, `acos`, `asin`, `cosh`, `sinh`, `tan` (its `log10`/`log2`/
+    `reciprocal` are `log` and `div` here), and its sums and products (`sum`, `prod`,
+    `cumsum`, `cumprod`, `logsumexp`, the norms and losses, which are sums here):
+    `reduce_sum`, `reduce_prod`, `cumsum`, `cumprod`, `cumlogsumexp`, and `psum`, a sum
+    over devices;
+  - TensorFlow's deny list (`Exp`, `Expm1`, `Pow`, `Sum`, `Mean`, `L2Loss`, the softmax
+    cross-entropies), which adds nothing new;
+  - `integer_pow` and `square` (a variance's squares of a few hundred overflow float16),
+    `exp2`, `logistic` (PyTorch's `binary_cross_entropy_with_logits`, `softplus`), and the
+    special functions that overflow or cancel in float16 (`lgamma`, `digamma`, `igamma`,
+    `erfc`, ...). TensorFlow runs `Log`, `Softmax` and `Sigmoid` in float16 when their
+    input is: its kernels compute them internally in float32, which JAX's primitives do
+    not promise.
+- **Everything else** runs at the widest floating dtype of its operands (Python scalars
+  and the program's scalar constants do not widen), PyTorch's type promotion for ops on no list:
+  adding a float32 bias to a float16 matmul's result gives float32.
+- **Explicit casts** (`astype`, `convert_element_type`) run as written. Integers,
+  booleans and keys are never cast; float64 and 8-bit floats are not cast either (they
+  are deliberate), only float32, float16 and bfloat16.
+- **At traced precision** (`AS_TRACED`): primitives whose meaning depends on the dtype
+  (`bitcast_convert_type`, `reduce_precision`), scatters and generic reductions (their
+  combiner is a program typed by the traced dtype), and host callbacks.
+
+A gather reads its table as it is: an embedding lookup from a float32 table gathers
+float32 rows, and its backward pass scatter-adds float32 cotangents.
+
+Where JAX checks types, values keep the dtypes they were traced with: the inputs and
+outputs of a loop body, a branch, a jitted function, a `checkpoint`, a custom derivative
+rule's function and a `shard_map` are cast back to their traced dtypes, and the programs
+inside are autocast in turn (the custom rules themselves run as the user wrote them). A
+primitive holding programs that `autocast` does not know (a `pallas_call`), and a call to
+foreign code (`ffi_call`), runs at its traced precision, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_lossscale import _jax_internals as internals
+from jax_lossscale import _policy
+from jax_lossscale._probes import _copier
+
+MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+
+FLOAT32 = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    "logistic", "erf_inv", "erfc", "acos", "asin", "cosh", "sinh", "tan", "lgamma",
+    "digamma", "polygamma", "zeta", "igamma", "igammac", "igamma_grad_a",
+    "random_gamma_grad", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "psum",
+    "psum_invariant", "reduce_scatter",
+})
+
+AS_TRACED = frozenset({
+    "bitcast_convert_type", "reduce_precision", "scatter", "scatter-add", "scatter_add",
+    "scatter-sub", "scatter_sub", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window",
+    "select_and_scatter", "pure_callback", "io_callback", "debug_callback",
+})
+
+FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call",
+                     "mosaic_gpu_call", "triton_kernel_call"})
+
+_CASTABLE = frozenset(map(np.dtype, (jnp.float32, jnp.float16, jnp.bfloat16)))
+
+
+def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Callable[..., Any]:
+  """`fun`, with its matmuls in `compute_dtype` and its precision-sensitive operations in
+  float32, without editing it.
+
+  For float16 training, together with loss scaling::
+
+    loss_fn = jls.autocast(loss_fn)  # a float32 model, its matmuls in float16
+    loss, grads = jls.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+
+  Each primitive of `fun`'s program runs at the precision the module docstring lists
+  for it (matmuls in `compute_dtype`, `exp`, `log`, sums and the like in float32, the
+  rest at the widest dtype of its operands). Outputs have the dtypes `fun`'s would
+  have; gradients with respect to float32 inputs are float32. Works under and around
+  `jit`, `grad`, `vmap`, loops, `cond`, `checkpoint`, custom derivatives and
+  `shard_map`; `precision_summary` shows what ran where.
+
+  Args:
+    fun: the function; its array arguments (also inside pytrees, flax NNX modules and
+      equinox modules) are traced, its other arguments are passed as they are.
+    compute_dtype: the dtype of matmuls' operands: `jnp.float16` (GPU), `jnp.bfloat16`
+      (TPU), or a name of the policy grammar (`"f16"`, `"half"`, `"bf16"`).
+
+  Returns:
+    A function with `fun`'s signature, whose outputs have `fun`'s dtypes.
+
+  Raises:
+    ValueError: if `compute_dtype` is not a floating dtype.
+  """
+  dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
+
+  @functools.wraps(fun)
+  def autocast_fun(*args, **kwargs):
+    leaves, rebuild = _copier((args, kwargs))
+    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+
+    def traced(*new_arrays):
+      refill = iter(new_arrays)
+      copy = rebuild([next(refill) if _is_array(leaf) else leaf for leaf in leaves])
+      return fun(*copy[0], **copy[1]), _nnx_state(copy)
+
+    program, out_tree = internals.trace(traced, arrays)
+    out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
+    for module, module_state in zip(_nnx_modules((args, kwargs)), state, strict=True):
+      sys.modules["flax.nnx"].update(module, module_state)  # batch statistics, RNG counts
+    return out
+
+  return autocast_fun
+
+
+def _nnx_modules(tree: Any) -> list:
+  """The flax NNX modules in `tree`."""
+  nnx = sys.modules.get("flax.nnx")
+  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)  # noqa: E731
+  return [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_module) if is_module(leaf)]
+
+
+def _nnx_state(tree: Any) -> list:
+  """The state of each flax NNX module in `tree`: what `fun` changed in them returns
+  as outputs (the modules `fun` sees are copies holding the traced arrays)."""
+  return [sys.modules["flax.nnx"].state(module) for module in _nnx_modules(tree)]
+
+
+def _is_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Interpreter:
+  """Runs programs with `compute_dtype` matmuls; warns once per primitive it cannot
+  handle (`warned`)."""
+  compute_dtype: np.dtype
+  warned: set = dataclasses.field(default_factory=set)
+
+  def run_program(self, program: Any, args: list) -> list:
+    """`program` on `args` (of its input types), its outputs cast to its output types."""
+    outs = internals.evaluate(program, args, self.run)
+    return [_cast(out, kind.dtype) for out, kind in zip(
+        outs, internals.output_types(program), strict=True)]
+
+  def run(self, op: internals.Operation, operands: list) -> list:
+    name = op.name
+    if name == "convert_element_type":
+      return op.bind(operands)
+    if op.holds_programs:
+      if op.rewritable:
+        outs = op.bind_rewritten(_as_traced(op, operands), self.run_program)
+        if outs is not None:
+          return outs
+      return self._unknown(op, operands)
+    if name in FOREIGN:
+      return self._unknown(op, operands)
+    if name in AS_TRACED:
+      return op.bind(_as_traced(op, operands))
+    if name in MATMUL:
+      return self._matmul(op, operands)
+    if name in FLOAT32:
+      return op.bind([_cast(x, np.dtype(jnp.float32)) if _castable(x) else x
+                      for x in operands])
+    if op.multiple_results:  # each result its operand's own (a barrier, a sort)
+      return op.bind(operands)
+    return op.bind(_widest(op, operands))
+
+  def _matmul(self, op: internals.Operation, operands: list) -> list:
+    floating = [x for x in operands if _is_floating(x)]
+    if not floating or not all(map(_castable, floating)):
+      return op.bind(_widest(op, operands))
+    if len({_dtype(x) for x in floating}) == 1 and _dtype(floating[0]).itemsize < 4:
+      return op.bind(operands)  # cast by hand, or by an inner autocast: as it is
+    preferred = op.param("preferred_element_type")
+    params = {}
+    if preferred is not None and jnp.issubdtype(preferred, jnp.floating):
+      params["preferred_element_type"] = self.compute_dtype
+    return op.bind([_cast(x, self.compute_dtype) if _is_floating(x) else x
+                    for x in operands], **params)
+
+  def _unknown(self, op: internals.Operation, operands: list) -> list:
+    if op.name not in self.warned:
+      self.warned.add(op.name)
+      warnings.warn(f"autocast does not know how to run `{op.name}` at other precisions; "
+                    "it runs at the precision it was traced with.", stacklevel=2)
+    return op.bind(_as_traced(op, operands))
+
+
+def _dtype(x: Any) -> np.dtype | None:
+  """`x`'s dtype; None for a non-array and for keys (never cast)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return None
+  return np.dtype(dtype)
+
+
+def _is_floating(x: Any) -> bool:
+  dtype = _dtype(x)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _castable(x: Any) -> bool:
+  return _dtype(x) in _CASTABLE
+
+
+def _cast(x: Any, dtype: np.dtype | None) -> Any:
+  """`x` as `dtype`; a constant of the program (a NumPy scalar) stays a constant."""
+  if dtype is None or _dtype(x) is None or _dtype(x) == dtype:
+    return x
+  if isinstance(x, (np.ndarray, np.generic)):
+    return np.asarray(x).astype(dtype)[()]
+  return lax.convert_element_type(x, dtype)
+
+
+def _as_traced(op: internals.Operation, operands: list) -> list:
+  """`operands` cast back to the floating dtypes they were traced with."""
+  return [_cast(x, kind.dtype) if _is_floating(x) else x
+          for x, kind in zip(operands, op.inputs, strict=True)]
+
+
+def _widest(op: internals.Operation, operands: list) -> list:
+  """Floating `operands` cast to the widest floating dtype among them, weakly typed
+  ones and scalar constants (`x * 2.0`) left out of the choice unless all are."""
+  floating = [(x, kind.weak or kind.scalar_constant)
+              for x, kind in zip(operands, op.inputs, strict=True) if _is_floating(x)]
+  if not floating:
+    return operands
+  strong = [_dtype(x) for x, weak in floating if not weak] or [_dtype(x) for x, _ in floating]
+  target = functools.reduce(jnp.promote_types, strong)
+  return [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSummary:
+  """What ran in which dtype: for each primitive that computed on floating values, how
+  many times it occurs in the program in each dtype, forward and backward.
+
+  `print(summary)` shows it as a table; a loop body's operations count once.
+
+  Attributes:
+    rows: `(primitive, dtype name, forward count, backward count)`, by primitive name.
+  """
+  rows: tuple[tuple[str, str, int, int], ...]
+
+  def count(self, primitive: str, dtype: Any, backward: bool = False) -> int:
+    """How many times `primitive` ran in `dtype` in the forward (or backward) pass."""
+    name = np.dtype(dtype).name
+    return sum(b if backward else f for p, d, f, b in self.rows if (p, d) == (primitive, name))
+
+  def __str__(self) -> str:
+    width = max([len(p) for p, *_ in self.rows] + [9])
+    lines = [f"{'primitive':<{width}}  {'dtype':<8}  {'forward':>7}  {'backward':>8}"]
+    lines += [f"{p:<{width}}  {d:<8}  {f:>7}  {b:>8}" for p, d, f, b in self.rows]
+    return "\n".join(lines)
+
+
+def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> PrecisionSummary:
+  """Which dtype each primitive of `fun(*args, **kwargs)` ran in, forward and backward.
+
+  Any function: an `autocast` one, to check that nothing precision-sensitive ran in
+  float16 and that the matmuls did; a hand-cast one, to compare. The backward pass is
+  that of the floating outputs with respect to the floating array arguments (none for a
+  function that cannot be differentiated in reverse mode, such as a `while_loop`); a
+  custom derivative rule's primal function is replaced by its rule there::
+
+    print(jls.precision_summary(jls.autocast(loss_fn), params, batch))
+    # primitive     dtype     forward  backward
+    # dot_general   float16         2         4
+    # exp           float32         1         1
+
+  Args:
+    fun: the function.
+    *args: its positional arguments.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `PrecisionSummary`; `print` it for the table.
+  """
+  leaves, rebuild = _copier((args, kwargs))
+  wrt = [i for i, leaf in enumerate(leaves) if _is_array(leaf) and _is_floating(leaf)]
+
+  def forward(arrays):
+    filled = list(leaves)
+    for i, array in zip(wrt, arrays, strict=True):
+      filled[i] = array
+    a, k = rebuild(filled)
+    return [out for out in jax.tree.leaves(fun(*a, **k)) if _is_floating(out)]
+
+  shapes = jax.eval_shape(forward, [leaves[i] for i in wrt])
+
+  def forward_and_backward(arrays, cotangents):
+    _, pullback = jax.vjp(forward, arrays)
+    return pullback(cotangents)
+
+  try:
+    program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
+    cotangents = range(len(wrt), len(wrt) + len(shapes))
+  except Exception:  # noqa: BLE001 (not reverse-differentiable: a while loop)
+    program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
+    cotangents = range(0)
+  counts = collections.Counter((ran.name, ran.dtype.name, ran.backward)
+                               for ran in internals.operations_ran(program, cotangents))
+  keys = sorted({(name, dtype) for name, dtype, _ in counts})
+  return PrecisionSummary(tuple((name, dtype, counts[name, dtype, False],
+                                 counts[name, dtype, True]) for name, dtype in keys))
