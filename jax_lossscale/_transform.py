@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_lossscale import _decide
+from jax_lossscale import _eager
 from jax_lossscale import _emit
 from jax_lossscale import _finite
 from jax_lossscale import _serialization
@@ -257,8 +258,7 @@ class _Step:
     self.inner, self.initial = inner, initial  # `inner` as given: `tx.inner`
     self._inner = optax.with_extra_args_support(inner)
     self.axis_name, self.max_norm, self.norm = axis_name, max_norm, norm
-    self._compiled = jax.jit(self._arrays_of_step, static_argnums=0)
-    self._static_outputs: dict = {}  # each signature's static leaves of the step's output
+    self._eager_step = _eager.CompiledBySignature(self._traced_step)
 
   def init(self, params) -> LossScalingState:
     """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""
@@ -294,37 +294,9 @@ class _Step:
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
     loss = None if loss is None else _step_args.loss(loss)
     inputs = (grads, state, params, loss, probes, extra_args)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
-      return self._traced_step(*inputs, apply)
-    return self._eager_step(inputs, apply)
-
-  def _eager_step(self, inputs, apply):
-    """The step called outside any transformation, run as one program compiled once per
-    signature of its inputs: traced afresh on every call, its `lax.cond`s would be new
-    programs, each compiled again and kept in JAX's caches.
-
-    Static leaves (strings and functions of an equinox module, `extra_args` that are not
-    arrays) are part of the signature; unhashable ones leave the step uncompiled.
-    """
-    leaves, treedef = jax.tree.flatten(inputs)
-    static = tuple(None if _trees.is_array(x) else x for x in leaves)
-    try:
-      hash(static)
-    except TypeError:
-      return self._traced_step(*inputs, apply)
-    signature = (treedef, static, apply)
-    arrays = self._compiled(signature, [x if _trees.is_array(x) else None for x in leaves])
-    return _trees.combine(arrays, self._static_outputs[signature])
-
-  def _arrays_of_step(self, signature, arrays):
-    """`_traced_step` on the inputs `signature` and `arrays` make up, returning the
-    arrays of its output (its static leaves are kept by signature)."""
-    treedef, static, apply = signature
-    inputs = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(
-        arrays, static, strict=True)])
-    arrays, self._static_outputs[signature] = _trees.partition(
-        self._traced_step(*inputs, apply))
-    return arrays
+    # Outside jit, traced afresh, the step's `lax.cond`s would compile on every call.
+    step = self._traced_step if _eager.traced(inputs) else self._eager_step
+    return step(*inputs, apply)
 
   def _traced_step(self, grads, state, params, loss, probes, extra_args, apply):
     decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
