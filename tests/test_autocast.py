@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import linen
 from flax import nnx
+from helpers import clean_env
 from jax import lax
 
 import jax_lossscale as jls
@@ -439,8 +440,7 @@ print("ok")
 
 
 def test_shard_map_and_pmap_bodies_are_autocast_on_8_forced_cpu_devices():
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-         "PATH": "/usr/bin:/bin"}
+  env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", SHARD_MAP_CASE], env=env,
                           capture_output=True, text=True, timeout=120)
   assert result.stdout.strip() == "ok", result.stderr[-3000:]
