@@ -18,6 +18,7 @@ from jax_lossscale._monitoring import LossScaleStuckError
 from jax_lossscale._monitoring import if_applied
 from jax_lossscale._monitoring import metrics
 from jax_lossscale._monitoring import raise_if_stuck
+from jax_lossscale._monitoring import unscale
 from jax_lossscale._policy import Policy
 from jax_lossscale._policy import get_policy
 from jax_lossscale._serialization import deserialize
@@ -58,4 +59,5 @@ __all__ = (
     "scaled_value_and_grad",
     "select_tree",
     "serialize",
+    "unscale",
 )

@@ -34,12 +34,15 @@ class Decision(NamedTuple):
       scale, times the clip factor when clipping.
     measured: float32 scalar, the largest magnitude of the scaled gradients and of the
       probed activation gradients, for a loss scale that measures; else None.
+    grad_norm: the global L2 norm of the unscaled gradients (before clipping; inf or NaN
+      where they are not finite), when clipping or asked for; else None.
   """
 
   grads_finite: jax.Array
   loss_finite: jax.Array
   unscaling: _numerics.Rescale
   measured: jax.Array | None = None
+  grad_norm: jax.Array | None = None
 
   @property
   def should_apply(self) -> jax.Array:
@@ -47,14 +50,18 @@ class Decision(NamedTuple):
 
 
 def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.AxisName,
-           max_norm: float | None, probes: Any = None) -> Decision:
-  """Checks the scaled gradients and the loss once, agreed across devices."""
+           max_norm: float | None, probes: Any = None, norm: bool = False) -> Decision:
+  """Checks the scaled gradients and the loss once, agreed across devices; with `norm`,
+  also takes the unscaled gradients' global norm (free when clipping: the clip's own)."""
   unscaling = loss_scale._unscaling()  # pylint: disable=protected-access
   largest = _finite.largest_magnitudes(grads)
+  grad_norm = None
   if max_norm is None:
     grads_finite = _finite.finite_after(largest, unscaling)
+    if norm:
+      grad_norm = unscaling(global_norm(grads))
   else:
-    grads_finite, unscaling = _clipped(grads, unscaling, max_norm)
+    grads_finite, grad_norm, unscaling = _clipped(grads, unscaling, max_norm)
   if probes is not None and not isinstance(probes, _probes.Probes):
     raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
                     f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
@@ -66,7 +73,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
     flags.append(_finite.finite(_step_args.loss(loss)))
   flags = _finite.agree(flags, axis_name)
   return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling,
-                  measured)
+                  measured, grad_norm)
 
 
 def _measured(largest: list, probes: Any) -> jax.Array:
@@ -79,7 +86,8 @@ def _measured(largest: list, probes: Any) -> jax.Array:
 
 
 def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):
-  """The clip's norm doubles as the check; the clip factor joins the unscaling.
+  """The clip's norm doubles as the check; the clip factor joins the unscaling. Returns
+  `(finite, norm of the unscaled gradients, unscaling)`.
 
   The norm is taken of the scaled gradients (the kernel optax's clip uses) and unscaled
   as a scalar: for a power-of-two scale, exactly the norm of the unscaled gradients.
@@ -92,7 +100,7 @@ def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float):
   if short:
     finite &= _finite.finite(short, unscaling)
   clip = jnp.where(norm < max_norm, 1, max_norm / norm)  # float64 for float64 norms
-  return finite, unscaling.times(clip)
+  return finite, norm, unscaling.times(clip)
 
 
 def global_norm(tree: Any) -> jax.Array:

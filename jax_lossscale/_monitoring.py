@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 
+from jax_lossscale import _numerics
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale import diagnostics
@@ -42,11 +43,12 @@ _SIBLINGS = ("a transformation chained before loss_scaling sees scaled gradients
              "chained after it still runs on skipped steps")
 
 
-def find_state(opt_state: Any) -> LossScalingState:
+def find_state(opt_state: Any, function: str = "find_state",
+               argument: str = "opt_state") -> LossScalingState:
   """The one `LossScalingState` of an optimizer state, its arrays unwrapped.
 
   `opt_state` may also be anything with an `opt_state` attribute (`nnx.Optimizer`,
-  flax's `TrainState`).
+  flax's `TrainState`). Errors name the caller's `function` and `argument`.
 
   Raises:
     ValueError: if there is none, more than one, or it is not the outermost
@@ -61,8 +63,11 @@ def find_state(opt_state: Any) -> LossScalingState:
     hint = (" nnx.state(optimizer) keeps only arrays: pass optimizer.opt_state or the "
             "nnx.Optimizer itself." if _looks_flattened(opt_state) else
             " Is the optimizer wrapped with jax_lossscale.loss_scaling?")
-    raise ValueError(f"Expected exactly one loss_scaling state inside the optimizer state, "
-                     f"found {len(found)}.{hint}")
+    raise ValueError(
+        f"{function}: `{argument}` must be the state of a jax_lossscale.loss_scaling "
+        "optimizer (or an nnx.Optimizer or flax TrainState holding it), with exactly one "
+        f"loss_scaling state inside; found {len(found)} in a {type(opt_state).__name__}."
+        f"{hint}")
   path, state = found[0]
   _check_outermost(opt_state, path)
   return state._replace(**{name: _trees.unwrap(getattr(state, name), (LossScale,))
@@ -103,16 +108,50 @@ def _check_outermost(opt_state: Any, path) -> None:
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Scalars for logging, as plain arrays.
 
-  `loss_scale`, `last_applied` and the counts of `LossScalingState`: `skipped_steps`,
-  `consecutive_skips`, `nonfinite_loss_steps`, `nonfinite_update_steps`,
-  `consecutive_nonfinite_loss`, `consecutive_nonfinite_updates`. Jittable; the values
+  `loss_scale` (the scale of the next step), `last_applied` and the counts of
+  `LossScalingState`: `skipped_steps`, `consecutive_skips`, `nonfinite_loss_steps`,
+  `nonfinite_update_steps`, `consecutive_nonfinite_loss`, `consecutive_nonfinite_updates`;
+  with `loss_scaling(..., grad_norm=True)` or `clip_by_global_norm`, also `grad_norm`:
+  the global L2 norm of the last step's unscaled gradients (before clipping; inf or NaN
+  on a step skipped because they overflowed, NaN before any step). Jittable; the values
   stay on the device until read. `opt_state` may be any optimizer state holding a
   `loss_scaling` state, an `nnx.Optimizer` or a flax `TrainState`.
   """
-  state = find_state(opt_state)
+  state = find_state(opt_state, "metrics", "opt_state")
   out = {"loss_scale": state.loss_scale(), "last_applied": state.last_applied}
   out.update({name: state.count(name) for name in COUNTS})
+  if state.grad_norm is not None:
+    out["grad_norm"] = state.grad_norm
   return out
+
+
+def unscale(grads: Any, opt_state: Any) -> Any:
+  """The unscaled gradients of the step that returned `opt_state`.
+
+  For gradient logging and hooks (a gradient-norm hook given `grads` as they come from
+  `scaled_value_and_grad` sees them times the loss scale). Divides by the scale the
+  gradients were computed with, kept in the state as `last_loss_scale`: not by
+  `opt_state.loss_scale`, which after the step already holds the next step's scale (half
+  after an overflow, double after a growth).
+
+      loss, grads = grad_fn(opt_state, params, batch)
+      params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss)
+      log_grads(jls.unscale(grads, opt_state))
+
+  Before the step, `opt_state.loss_scale.unscale(grads)` gives the same. Their norm
+  alone costs nothing more with `loss_scaling(..., grad_norm=True)`: `metrics`'
+  `grad_norm`.
+
+  Args:
+    grads: gradients of the scaled loss, any pytree (leaves that are not floating-point
+      pass through).
+    opt_state: what `metrics` takes, returned by the step that took `grads`.
+
+  Returns:
+    `grads` divided by that scale, each leaf in its own dtype.
+  """
+  state = find_state(opt_state, "unscale", "opt_state")
+  return _trees.rescale_floats(grads, _numerics.Rescale.reciprocal(state.last_loss_scale))
 
 
 def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
@@ -124,7 +163,15 @@ def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
 
       batch_stats = jls.if_applied(opt_state, new_batch_stats, batch_stats)
   """
-  applied = find_state(opt_state).last_applied
+  try:
+    applied = find_state(opt_state, "if_applied", "opt_state").last_applied
+  except ValueError:
+    if not _holds_state(old):
+      raise
+    raise ValueError(
+        "if_applied takes (opt_state, new, old): the optimizer state comes first, the new "
+        "values second, the values to keep on a skipped step third; the third argument "
+        "holds the loss_scaling state.") from None
   if _shares_variables(new, old):
     raise ValueError(
         "if_applied: `old` holds the very nnx.Variable objects of `new`, so it already has "
@@ -136,6 +183,15 @@ def if_applied(opt_state: Any, new: Any, old: Any) -> Any:
   except (TypeError, ValueError) as error:  # the structure, a shape or a dtype differs
     raise type(error)(f"if_applied: `new` and `old` must have the same structure, shapes "
                       f"and dtypes: {error}") from None
+
+
+def _holds_state(tree: Any) -> bool:
+  """Whether `tree` holds a loss_scaling state (an argument given in the wrong place)."""
+  try:
+    find_state(tree)
+  except ValueError:
+    return False
+  return True
 
 
 def _shares_variables(new: Any, old: Any) -> bool:
@@ -184,7 +240,12 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   """
   max_consecutive_skips = _validation.integer(
       "max_consecutive_skips", max_consecutive_skips, 1)
-  state = find_state(opt_state)
+  if probes is not None and not isinstance(probes, diagnostics.Probes):
+    raise TypeError(
+        "raise_if_stuck: `probes` must be what scaled_value_and_grad(..., probes=True) "
+        f"returned (a diagnostics.Probes), or None, got {type(probes).__name__}: "
+        f"{probes!r:.100}")
+  state = find_state(opt_state, "raise_if_stuck", "opt_state")
   skips = np.asarray(state.consecutive_skips)
   # A pmap'd or vmapped state holds one copy per device or run: the most stuck one's.
   at = np.unravel_index(np.argmax(skips), skips.shape)

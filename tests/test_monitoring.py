@@ -60,9 +60,87 @@ def test_the_state_is_found_where_loss_scaling_is_outermost(make):
   assert float(jls.metrics(state)["loss_scale"]) == 64.0
 
 
-def test_without_loss_scaling_the_error_says_what_is_wrong():
-  with pytest.raises(ValueError, match="found 0.*Is the optimizer wrapped"):
+def test_without_loss_scaling_the_error_names_the_function_and_argument():
+  with pytest.raises(ValueError, match=r"metrics: `opt_state` must be the state of a "
+                                       r"jax_lossscale.loss_scaling optimizer.*found 0 in a "
+                                       r"tuple.*Is the optimizer wrapped"):
     jls.metrics(optax.adam(1e-3).init(PARAMS))
+
+
+def test_if_applied_with_the_state_last_says_the_order_of_its_arguments():
+  state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(ValueError, match=r"if_applied takes \(opt_state, new, old\)"):
+    jls.if_applied(GOOD, PARAMS, state)
+  with pytest.raises(ValueError, match=r"if_applied: `opt_state` must be the state"):
+    jls.if_applied(GOOD, PARAMS, PARAMS)
+
+
+def test_raise_if_stuck_refuses_probes_that_are_not_measurements_at_once():
+  state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(TypeError, match=r"raise_if_stuck: `probes` must be what "
+                                      r"scaled_value_and_grad\(..., probes=True\) returned.*"
+                                      r"got dict"):
+    jls.raise_if_stuck(state, probes={"layer": 1.0})
+
+
+def test_unscale_divides_by_the_scale_the_gradients_were_computed_with():
+  # The step grows the scale from 16 to 32: the state after it holds the next scale, and
+  # dividing by it would halve the gradients.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0, increment_period=1))
+  state = tx.init(PARAMS)
+  grads = jax.tree.map(lambda g: g * 3.0 * 16.0, GOOD)
+  _, after = jax.jit(tx.apply_gradients)(grads, state, PARAMS)
+  assert float(after.loss_scale()) == 32.0 and float(after.last_loss_scale) == 16.0
+  chex.assert_trees_all_equal(jls.unscale(grads, after), jax.tree.map(lambda g: g * 3.0, GOOD))
+  chex.assert_trees_all_equal(jls.unscale(grads, after), state.loss_scale.unscale(grads))
+  half = jls.unscale({"g": jnp.array([32.0], jnp.float16), "n": 1}, after)
+  assert half["g"].dtype == jnp.float16 and float(half["g"][0]) == 2.0 and half["n"] == 1
+
+
+def test_metrics_give_the_unscaled_gradients_norm_when_asked_for():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**10), grad_norm=True)
+  state = tx.init(PARAMS)
+  assert np.isnan(float(jls.metrics(state)["grad_norm"]))  # before any step
+  unscaled = jax.tree.map(lambda p: jnp.full_like(p, 0.5), PARAMS)  # 15 values of 0.5
+  grads = jax.tree.map(lambda g: g * 2.0**10, unscaled)
+  _, state = jax.jit(tx.apply_gradients)(grads, state, PARAMS)
+  assert float(jls.metrics(state)["grad_norm"]) == pytest.approx(0.5 * 15**0.5, rel=1e-6)
+  _, state = jax.jit(tx.apply_gradients)(BAD, state, PARAMS)  # skipped: the norm is NaN
+  assert np.isnan(float(jls.metrics(state)["grad_norm"])) and not bool(state.last_applied)
+  assert "grad_norm" not in jls.metrics(jls.loss_scaling(optax.sgd(0.1)).init(PARAMS))
+
+
+def test_with_clipping_the_norm_is_recorded_before_the_clip_at_no_cost():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.0), clip_by_global_norm=1.0)
+  grads = jax.tree.map(lambda g: g * 4.0 * 2.0, GOOD)  # unscaled: 15 values of 2
+  _, state = tx.update(grads, tx.init(PARAMS), PARAMS)
+  assert float(jls.metrics(state)["grad_norm"]) == pytest.approx(2.0 * 15**0.5, rel=1e-6)
+
+
+def test_a_state_made_without_the_norm_is_refused_by_a_step_that_records_it():
+  state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(ValueError, match=r"`state` belongs to a loss_scaling that does not "
+                                       r"record the gradients' norm"):
+    jls.loss_scaling(optax.sgd(0.1), grad_norm=True).update(GOOD, state, PARAMS)
+  with pytest.raises(ValueError, match=r"`grad_norm` must be True or False, got 1"):
+    jls.loss_scaling(optax.sgd(0.1), grad_norm=1)
+
+
+def test_inject_hyperparams_inside_are_read_where_logging_code_reads_them():
+  # levanter logs `opt_state.hyperparams` when the state has it; optax's tree_get finds
+  # them inside any state.
+  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  state = jls.loss_scaling(optax.MultiSteps(inner, 2)).init(PARAMS)
+  assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-3)
+  assert float(optax.tree_utils.tree_get(state, "learning_rate")) == pytest.approx(1e-3)
+  plain = jls.loss_scaling(optax.adam(1e-3)).init(PARAMS)
+  assert not hasattr(plain, "hyperparams")
+  with pytest.raises(AttributeError, match="holds 0 optax.inject_hyperparams states"):
+    plain.hyperparams  # noqa: B018
+
+
+def test_the_count_method_of_the_state_documents_itself():
+  assert "COUNTS" in jls.LossScalingState.count.__doc__
 
 
 def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
