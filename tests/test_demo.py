@@ -71,6 +71,18 @@ def test_demo_runs_end_to_end_and_writes_a_plot(tmp_path, capsys):
   assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_each_kind_of_run_has_one_colour_and_line_style_in_every_plot_of_both_demos():
+  from jax_lossscale.demo import transformer
+
+  names = ["float16, FixedLossScale(32768)", "float16, MeasuredLossScale()",
+           *(name for name, *_ in transformer.plan())]
+  looks = {name: tuple(sorted(demo.run_style(name).items())) for name in names}
+  assert looks["float16, MeasuredLossScale()"] == looks["float16, MeasuredLossScale(margin=1)"]
+  assert len(set(looks.values())) == 5, looks
+  with pytest.raises(ValueError, match="RUN_STYLES"):
+    demo.run_style("bfloat16, a run no plot knows")
+
+
 def test_the_demo_extra_provides_every_package_the_demos_import():
   # README's first command installs `.[demo]` and then runs either demo.
   import ast

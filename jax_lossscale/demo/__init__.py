@@ -14,20 +14,39 @@ from collections.abc import Sequence
 MODELS = ("mlp", "transformer")
 
 
+# One look per kind of run, in every panel and plot of both demos: a run is found by the
+# first key its name contains.
+RUN_STYLES = {
+    "float32": {"color": "black", "linestyle": "-"},
+    "no loss scaling": {"color": "tab:red", "linestyle": ":"},
+    "FixedLossScale": {"color": "tab:green", "linestyle": "-."},
+    "DynamicLossScale": {"color": "tab:orange", "linestyle": "--"},
+    "MeasuredLossScale": {"color": "tab:blue", "linestyle": "-"},
+}
+
+
+def run_style(name: str) -> dict:
+  """The colour and line style (matplotlib keywords) of the run named `name`."""
+  for key, style in RUN_STYLES.items():
+    if key in name:
+      return style
+  raise ValueError(f"no style for the run {name!r}: add it to RUN_STYLES")
+
+
 def figure(**subplots):
-  """A new matplotlib figure and its axes (`plt.subplots(**subplots)`), drawn off screen."""
+  """A new matplotlib figure and its axes (`plt.subplots(**subplots)`), drawn off screen,
+  laid out so that legends placed outside the axes stay in the picture."""
   import matplotlib.pyplot as plt
 
   plt.switch_backend("Agg")
-  return plt.subplots(**subplots)
+  return plt.subplots(layout="constrained", **subplots)
 
 
 def save(fig, path: str) -> None:
-  """Lays out `fig`, writes it to `path` and frees it."""
+  """Writes `fig` to `path` and frees it."""
   import matplotlib.pyplot as plt
 
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=90)
   plt.close(fig)
 
 

@@ -203,18 +203,25 @@ def format_table(runs: Sequence[RunResult]) -> str:
 
 
 def plot(runs: Sequence[RunResult], path: str) -> None:
-  fig, (ax_loss, ax_scale) = demo.figure(ncols=2, figsize=(13, 4.5))
+  """The training loss of every run, and the loss scale of the scaled runs with their
+  skipped steps; one legend for both panels, below them."""
+  fig, (ax_loss, ax_scale) = demo.figure(ncols=2, figsize=(12, 4.8))
   for r in runs:
-    ax_loss.plot(r.losses, label=r.name, lw=1.2)
+    ax_loss.plot(r.losses, label=r.name, lw=1.2, **demo.run_style(r.name))
   ax_loss.set(xlabel="step", ylabel="training loss (nats)", title="Loss curves")
-  ax_loss.legend()
   for r in runs[2:]:
-    line, = ax_scale.plot(r.scales, label=r.name)
+    style = demo.run_style(r.name)
+    ax_scale.plot(r.scales, lw=1.5, drawstyle="steps-post", **style)
     skipped = np.flatnonzero(~r.applied)
-    ax_scale.scatter(skipped, r.scales[skipped], marker="x", color=line.get_color(),
-                     label=f"skipped steps ({len(skipped)})")
-  ax_scale.set(xlabel="step", ylabel="loss scale", yscale="log", title="Loss scale")
-  ax_scale.legend()
+    ax_scale.scatter(skipped, r.scales[skipped], marker="x", s=40, color=style["color"],
+                     zorder=3)
+  ax_scale.scatter([], [], marker="x", color="gray", label="skipped step")
+  ax_scale.set(xlabel="step", ylabel="loss scale", title="Loss scale")
+  ax_scale.set_yscale("log", base=2)
+  runs_handles, runs_labels = ax_loss.get_legend_handles_labels()
+  skip_handles, skip_labels = ax_scale.get_legend_handles_labels()
+  fig.legend(runs_handles + skip_handles, runs_labels + skip_labels, loc="outside lower center",
+             ncols=3, frameon=False)
   demo.save(fig, path)
 
 

@@ -301,25 +301,35 @@ def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
 
 
 def plot(runs: Sequence[RunResult], path: str) -> None:
-  """Each layer's headroom at scale 1 over training (from the last probed run's probes)
-  and the parameter gradients', with log2 of every run's loss scale above 1."""
+  """The training loss of every run; and each layer's headroom at scale 1 over training
+  (from the last probed run's probes) and the parameter gradients', with log2 of every
+  run's loss scale above 1 (a scale above a layer's line overflows there). The runs'
+  legend sits below both panels, the layers' beside the second."""
   import matplotlib
 
-  fig, ax = demo.figure(figsize=(11, 5.5))
+  fig, (ax_loss, ax_room) = demo.figure(ncols=2, figsize=(13, 5.5), width_ratios=(1, 1.4))
+  for r in runs:
+    ax_loss.plot(r.logs["loss"], label=r.name, lw=1.2, **demo.run_style(r.name))
+  ax_loss.set(xlabel="step", ylabel="training loss (nats)", title="Loss curves")
   probed = [r for r in runs if "probes" in r.logs][-1]
-  colors = iter(matplotlib.colormaps["tab20"](np.linspace(0, 1, 24)))
-  for name, s in jls.diagnostics.layers(probed.logs["probes"]):
-    ax.plot(np.asarray(s.headroom) + np.log2(probed.logs["scale"]), lw=0.9, color=next(colors),
-            label=name)
-  ax.plot(np.floor(np.log2(65504) - np.log2(probed.logs["param_max"])), lw=2.5, color="tab:red",
-          label="parameter gradients")
+  layers = jls.diagnostics.layers(probed.logs["probes"])
+  # Layers in shades of grey, darker deeper in the model: no run's colour.
+  shades = matplotlib.colormaps["Greys"](np.linspace(0.3, 0.9, len(layers)))
+  for (name, s), shade in zip(layers, shades, strict=True):
+    ax_room.plot(np.asarray(s.headroom) + np.log2(probed.logs["scale"]), lw=0.8, color=shade,
+                 label=name)
+  ax_room.plot(np.floor(np.log2(65504) - np.log2(probed.logs["param_max"])), lw=2.5,
+               color="tab:purple", label="parameter gradients")
   for r in runs:
     if np.any(r.logs["scale"] != 1):
-      ax.plot(np.log2(r.logs["scale"]), lw=2.5, color="k", ls="--" if "Dynamic" in r.name else "-",
-              label=f"log2 scale: {r.name}")
-  ax.set(xlabel="step", ylabel="doublings", title=f"{probed.name}: each layer's headroom at "
-         "scale 1,\nand log2 of the loss scales (a scale above a line overflows there)")
-  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+      ax_room.plot(np.log2(r.logs["scale"]), lw=2.5, drawstyle="steps-post",
+                   **demo.run_style(r.name))
+  ax_room.set(xlabel="step", ylabel="doublings",
+              title=f"Each layer's headroom at scale 1 ({probed.name}),\n"
+                    "and log2 of each run's loss scale, in the run's colour")
+  ax_room.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5), frameon=False)
+  fig.legend(*ax_loss.get_legend_handles_labels(), loc="outside lower center", ncols=2,
+             frameon=False)
   demo.save(fig, path)
 
 
