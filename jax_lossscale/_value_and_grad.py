@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_lossscale import _eager
 from jax_lossscale import _finite
 from jax_lossscale import _monitoring
 from jax_lossscale import _numerics
@@ -85,6 +86,29 @@ def scaled_value_and_grad(
   extra = {} if argnums == 0 and value_and_grad is not jax.value_and_grad \
       else {"argnums": argnums}
 
+  def differentiated(loss_scale, args, kwargs):
+    def scaled(*a, **k):
+      loss, aux = _loss_and_aux(measured_fun(*a, **k), has_aux, name)
+      return loss_scale.scale(loss), _Value(loss, aux)
+
+    if probes:
+      *result, measurements = _probes.value_and_grad_with_probes(
+          _checked(value_and_grad), scaled, argnums, has_aux=True)(*args, **kwargs)
+    else:
+      result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
+    value, grads = _value_and_grads(tuple(result), value_and_grad)
+    if axis_name is not None:  # the loss and the gradients, not the aux
+      value = value._replace(loss=_mean(value.loss, axis_name))
+      grads = _mean(grads, axis_name)
+    value = (value.loss, value.aux) if has_aux else value.loss
+    if not probes:
+      return value, grads
+    if axis_name is not None:
+      measurements = _probes.all_reduce_probes(measurements, axis_name)
+    return value, grads, measurements
+
+  compiled = _eager.CompiledBySignature(differentiated)
+
   def scaled_value_and_grad_fn(opt_state, *args, **kwargs):
     if isinstance(opt_state, LossScale):
       raise TypeError(
@@ -105,26 +129,11 @@ def scaled_value_and_grad(
           f"scaled_value_and_grad({name}) takes the optimizer state first, then "
           f"{name}'s arguments: call it as grad_fn(opt_state, *args), got the optimizer "
           f"state as {misplaced} and a {type(opt_state).__name__} first.") from error
-
-    def scaled(*a, **k):
-      loss, aux = _loss_and_aux(measured_fun(*a, **k), has_aux, name)
-      return loss_scale.scale(loss), _Value(loss, aux)
-
-    if probes:
-      *result, measurements = _probes.value_and_grad_with_probes(
-          _checked(value_and_grad), scaled, argnums, has_aux=True)(*args, **kwargs)
-    else:
-      result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
-    value, grads = _value_and_grads(tuple(result), value_and_grad)
-    if axis_name is not None:  # the loss and the gradients, not the aux
-      value = value._replace(loss=_mean(value.loss, axis_name))
-      grads = _mean(grads, axis_name)
-    value = (value.loss, value.aux) if has_aux else value.loss
-    if not probes:
-      return value, grads
-    if axis_name is not None:
-      measurements = _probes.all_reduce_probes(measurements, axis_name)
-    return value, grads, measurements
+    # Probes are found and measured in a context of their own on every trace: called
+    # outside jit, the loss's every operation would compile again on every call.
+    if probes and not _eager.traced((loss_scale, args, kwargs)):
+      return compiled(loss_scale, args, kwargs)
+    return differentiated(loss_scale, args, kwargs)
 
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TRACED
+from helpers import count_compiles
 
 import jax_lossscale as jls
 
@@ -234,3 +236,36 @@ def test_probes_are_placed_on_every_module_of_linen_nnx_and_equinox_models():
     grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=value_and_grad, probes=True)
     _, _, probes = grad_fn(state, model)
     assert len(probes) >= 2, (value_and_grad, list(probes))
+
+
+@pytest.mark.parametrize("framework", ["jax", "equinox"])
+def test_a_probed_gradient_function_called_without_jit_compiles_and_traces_only_its_first_call(
+    framework):
+  import equinox as eqx
+
+  from jax_lossscale import _probe_stats
+
+  x = jnp.ones((2, 3))
+  if framework == "jax":
+    model, value_and_grad = [jnp.eye(3) * 0.5 for _ in range(3)], jax.value_and_grad
+
+    def loss(params, x):
+      for i, w in enumerate(params):
+        x = jls.diagnostics.probe(jnp.tanh(x @ w), f"layer_{i}")
+      return jnp.mean(x**2)
+  else:  # a module with functions among its leaves
+    model = eqx.nn.MLP(3, 2, width_size=5, depth=2, key=jax.random.key(0))
+    value_and_grad = eqx.filter_value_and_grad
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
+  state = jls.loss_scaling(optax.sgd(0.1)).init(eqx.filter(model, eqx.is_array))
+  grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=value_and_grad, probes=True)
+  first = grad_fn(state, model, x)
+  cached = _probe_stats.values._cache_size()
+  with count_compiles() as compiles, count_compiles(TRACED) as traces:
+    for _ in range(50):
+      last = grad_fn(state, model, x)
+  assert compiles == [] and traces == [] and _probe_stats.values._cache_size() == cached
+  assert len(last[2]) >= 3 and all(int(last[2][name].hits) > 0 for name in last[2])
+  chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(first, eqx.is_array))
+  chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(
+      eqx.filter_jit(grad_fn)(state, model, x), eqx.is_array))
