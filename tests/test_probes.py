@@ -1,7 +1,6 @@
 """Specification of probes: activation-gradient measurements out of the backward pass."""
 
 import itertools
-import os
 import pathlib
 import re
 import subprocess
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import clean_env
 from helpers import scale_backward
 from jax import lax
 from jax.extend.core import ClosedJaxpr
@@ -441,11 +441,10 @@ def test_one_name_used_with_two_lengths_is_refused():
 
 
 def test_shard_map_and_pmap_on_8_forced_cpu_devices():
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   result = subprocess.run(
       [sys.executable, "-c", "import test_probes; test_probes.multidevice_cases()"],
-      env=env, capture_output=True, text=True, timeout=300, cwd=HERE)
+      env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+      capture_output=True, text=True, timeout=300, cwd=HERE)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
   assert "8 devices: ok" in result.stdout
 
