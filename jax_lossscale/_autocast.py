@@ -192,14 +192,16 @@ class _Interpreter:
     floating = [x for x in operands if _is_floating(x)]
     if not floating or not all(map(_castable, floating)):
       return op.bind(_widest(op, operands))
+    target = self.compute_dtype
     if len({_dtype(x) for x in floating}) == 1 and _dtype(floating[0]).itemsize < 4:
-      return op.bind(operands)  # cast by hand, or by an inner autocast: as it is
-    preferred = op.param("preferred_element_type")
+      target = _dtype(floating[0])  # cast by hand, or by an inner autocast: kept
+    traced = {kind.dtype for x, kind in zip(operands, op.inputs, strict=True)
+              if _is_floating(x)}
     params = {}
-    if preferred is not None and jnp.issubdtype(preferred, jnp.floating):
-      params["preferred_element_type"] = self.compute_dtype
-    return op.bind([_cast(x, self.compute_dtype) if _is_floating(x) else x
-                    for x in operands], **params)
+    preferred = op.param("preferred_element_type")
+    if traced != {target} and preferred is not None and jnp.issubdtype(preferred, jnp.floating):
+      params["preferred_element_type"] = target  # a result in `target`, as PyTorch's
+    return op.bind([_cast(x, target) if _is_floating(x) else x for x in operands], **params)
 
   def _unknown(self, op: internals.Operation, operands: list) -> list:
     if op.name not in self.warned:
@@ -210,16 +212,19 @@ class _Interpreter:
 
 
 def _dtype(x: Any) -> np.dtype | None:
-  """`x`'s dtype; None for a non-array and for keys (never cast)."""
+  """`x`'s dtype; None for a non-array and for keys (their dtypes are no NumPy dtypes)."""
   dtype = getattr(x, "dtype", None)
-  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    return None
-  return np.dtype(dtype)
+  return dtype if isinstance(dtype, np.dtype) else None
 
 
 def _is_floating(x: Any) -> bool:
   dtype = _dtype(x)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  return dtype is not None and _floating(dtype)
+
+
+@functools.cache
+def _floating(dtype: np.dtype) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def _castable(x: Any) -> bool:
