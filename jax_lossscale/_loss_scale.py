@@ -197,10 +197,12 @@ class LossScale(abc.ABC):
 
 @loss_scale_dataclass
 class NoOpLossScale(LossScale):
-  """A loss scale of 1 that always applies: the choice for bfloat16 (e.g. on TPU).
+  """A loss scale of 1: the choice for bfloat16 (e.g. on TPU), which needs no scaling.
 
-  `scale` and `unscale` return their argument unchanged; inside `loss_scaling` a
-  non-finite step is still skipped, for one read of the gradients.
+  `scale` and `unscale` return their argument unchanged, and `update` always says to
+  apply (TensorFlow's rule for a fixed scale). Inside `loss_scaling` a step whose
+  gradients (or `loss=`) are not finite is still skipped, for one read of the gradients:
+  no NaN reaches the parameters.
   """
 
   def __call__(self) -> jax.Array:

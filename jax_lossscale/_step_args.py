@@ -72,6 +72,34 @@ def grads_like_params(grads: Any, params: Any) -> None:
                      f"{str(structures[0]):.200}, params {str(structures[1]):.200}.")
 
 
+def no_more_positional(args: tuple, function: str) -> None:
+  """`loss=` and `probes=` are keyword-only: a loss passed positionally is refused in the
+  caller's words (not as an internal class's signature)."""
+  if args:
+    raise TypeError(
+        f"loss_scaling's {function} takes the gradients, the state and the parameters "
+        f"positionally, and `loss=` and `probes=` by keyword only: "
+        f"{function}(grads, state, params, loss=loss). Got {len(args)} more positional "
+        f"argument{'s' if len(args) > 1 else ''}: "
+        f"{', '.join(type(a).__name__ for a in args)}.")
+
+
+def missing_gradients(grads: Any, params: Any) -> list[str]:
+  """The paths where `grads` has `None` and `params` a floating-point array: a gradient
+  that an optimizer keeping state per parameter (Adam's moments) cannot do without."""
+  if params is None:
+    return []
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  is_none = lambda x: x is None  # noqa: E731
+  ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+  theirs = jax.tree_util.tree_leaves(params, is_leaf=is_none)
+  if len(ours) != len(theirs):
+    return []
+  return [jax.tree_util.keystr(path) for (path, g), p in zip(ours, theirs, strict=True)
+          if g is None and hasattr(p, "dtype") and _trees.is_float(p)]
+
+
 def update_keywords(extra_args: dict) -> None:
   """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it.
 

@@ -115,14 +115,16 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     for an `optax.MultiSteps`, for instance)."""
     return self.update.inner
 
-  def apply_gradients(self, grads, state, params, **extra_args):
+  def apply_gradients(self, grads, state, params, *args, **extra_args):
     """`update` and `optax.apply_updates`, fused into one pass; see `loss_scaling`.
+
+    `loss=` and `probes=` are keyword-only, as in `update`.
 
     Returns:
       `(new_params, new_state)`. `params` may be a whole equinox module: only its
       arrays are updated, as `eqx.apply_updates` does.
     """
-    return apply_gradients(self, grads, state, params, **extra_args)
+    return apply_gradients(self, grads, state, params, *args, **extra_args)
 
   def wrap_state(self, inner_state: optax.OptState) -> LossScalingState:
     """A fresh `LossScalingState` around an existing state of the inner transformation.
@@ -133,11 +135,11 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     return self.update.wrap_state(inner_state)
 
 
-def apply_gradients(tx, grads, state, params, **extra_args):
+def apply_gradients(tx, grads, state, params, *args, **extra_args):
   """`tx.update` then `optax.apply_updates`, fused when `tx.update` is `loss_scaling`'s."""
   if isinstance(tx.update, _Step):
-    return tx.update.apply(grads, state, params, **extra_args)
-  updates, state = tx.update(grads, state, params, **extra_args)
+    return tx.update.apply(grads, state, params, *args, **extra_args)
+  updates, state = tx.update(grads, state, params, *args, **extra_args)
   return _trees.apply_updates(params, updates), state
 
 
@@ -166,7 +168,10 @@ def loss_scaling(
   every parameter, even a `-0.0`, stays bit-identical) and keeps `inner_state` as it
   was, so moments are not poisoned and step counts and schedules do not advance. Only
   an overflow changes the loss scale at once; finite steps count towards a growth only
-  when `inner` takes an optimizer step (`optax.MultiSteps` takes one every k calls).
+  when `inner` takes an optimizer step (`optax.MultiSteps` takes one every k calls). A
+  step skipped for a non-finite `loss=` (or for non-finite updates of finite gradients)
+  leaves the loss scale exactly as it was, growth counter included: the counter neither
+  resets nor advances, so the finite steps on either side of it count as one run.
 
   Everything that changes the parameters goes inside: `loss_scaling(optax.chain(...))`.
   A transformation chained before it would see scaled gradients; one chained after it
@@ -278,11 +283,14 @@ class _Step:
         last_loss_scale=jnp.array(self.initial()),
         grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None)
 
-  def __call__(self, updates, state, params=None, *, loss=None, probes=None, **extra_args):
+  def __call__(self, updates, state, params=None, *args, loss=None, probes=None,
+               **extra_args):
+    _step_args.no_more_positional(args, "update")
     return self._step(updates, state, params, loss, probes, extra_args, apply=False)
 
-  def apply(self, grads, state, params, *, loss=None, probes=None, **extra_args):
+  def apply(self, grads, state, params, *args, loss=None, probes=None, **extra_args):
     """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
+    _step_args.no_more_positional(args, "apply_gradients")
     if params is None:
       raise TypeError("apply_gradients: `params` must be the parameters to update, got None.")
     return self._step(grads, state, params, loss, probes, extra_args, apply=True)
@@ -311,8 +319,14 @@ class _Step:
             _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
-        error.add_note("loss_scaling: raised by the inner optimizer. If `state` was made by "
-                       "another optimizer's init, pass this transformation's (tx.init).")
+        missing = _step_args.missing_gradients(grads, params)
+        error.add_note(
+            f"loss_scaling: raised by the inner optimizer. `grads{missing[0]}` is None "
+            f"where `params{missing[0]}` is a floating-point array that the optimizer "
+            "state has a slot for: give it a gradient (zeros leave it unchanged), or leave "
+            "it out of the parameters given to tx.init and to the step." if missing else
+            "loss_scaling: raised by the inner optimizer. If `state` was made by "
+            "another optimizer's init, pass this transformation's (tx.init).")
         raise
       out = _trees.apply_updates(params, updates) if apply else updates
       return out, inner_state, _narrow_finite(updates, self.axis_name, params,

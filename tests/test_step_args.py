@@ -125,3 +125,29 @@ def test_a_python_float_loss_beyond_float32_is_finite_under_x64():
     params = {"w": jnp.ones(1, jnp.float64)}
     _, state = tx.update({"w": jnp.ones(1, jnp.float64)}, tx.init(params), params, loss=1e300)
     assert bool(state.last_applied) and int(state.nonfinite_loss_steps) == 0
+
+
+@FUSED
+def test_a_loss_passed_positionally_is_refused_saying_loss_is_keyword_only(fused):
+  tx = jls.loss_scaling(optax.adam(0.1))
+  params = {"w": jnp.ones(2)}
+  step = tx.apply_gradients if fused else tx.update
+  name = "apply_gradients" if fused else "update"
+  with pytest.raises(TypeError, match=rf"loss_scaling's {name} takes the gradients, the state "
+                                      rf"and the parameters positionally, and `loss=` and "
+                                      rf"`probes=` by keyword only.*1 more positional "
+                                      rf"argument: ArrayImpl"):
+    step(params, tx.init(params), params, jnp.float32(1.0))
+
+
+@FUSED
+def test_a_none_gradient_of_an_array_parameter_that_the_optimizer_keeps_state_for_is_named(
+    fused):
+  tx = jls.loss_scaling(optax.adam(0.1))
+  params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+  step = tx.apply_gradients if fused else tx.update
+  with pytest.raises(ValueError) as error:
+    step({"w": jnp.ones(2), "b": None}, tx.init(params), params)
+  assert ("`grads['b']` is None where `params['b']` is a floating-point array that the "
+          "optimizer state has a slot for") in "\n".join(error.value.__notes__)
+  assert not any("another optimizer's init" in note for note in error.value.__notes__)

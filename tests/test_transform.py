@@ -1155,3 +1155,18 @@ def test_a_step_called_without_jit_compiles_and_traces_only_on_its_first_call(fu
       params, state = step(params, state)
   assert compiles == [] and traces == []
   assert int(state.skipped_steps) == 0 and int(state.inner_state[0].count) == 51
+
+
+def test_a_step_skipped_for_a_nonfinite_loss_neither_resets_nor_advances_the_growth_counter():
+  # increment_period=3: two finite steps, a NaN loss, one more finite step: the third
+  # finite step grows the scale, as if the skipped step had not happened.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.0, increment_period=3))
+  params = {"w": jnp.ones(2)}
+  state, update, good = tx.init(params), jax.jit(tx.update), {"w": jnp.ones(2)}
+  scales, counters = [], []
+  for loss in (1.0, 1.0, jnp.nan, 1.0):
+    _, state = update(good, state, params, loss=loss)
+    scales.append(float(state.loss_scale()))
+    counters.append(int(state.loss_scale.num_good_steps))
+  assert scales == [4.0, 4.0, 4.0, 8.0] and counters == [1, 2, 2, 0]
+  assert int(state.nonfinite_loss_steps) == 1
