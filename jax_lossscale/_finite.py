@@ -206,6 +206,8 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
   """`op(x, axes)` (`lax.psum`, `lax.pmean`, ...), refusing an `axis_name` that names no
   axis of the `shard_map` or `pmap` the step runs in."""
   try:
+    if _vmap_axes_under_an_explicit_mesh(axes):
+      return _over_gathered(op, x, axes)
     return op(x, axes)
   except (NameError, AssertionError, ValueError) as error:
     if axis_name is None and not isinstance(error, NameError):
@@ -215,6 +217,25 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
         f"{axis_name!r} ({type(error).__name__}: {str(error)[:300]}). Under jit with sharded "
         "arrays, leave it out: the check is already global. Inside shard_map, a vmap's "
         "axis cannot be agreed over with check_vma on.") from None
+
+
+# Each collective as a reduction of what `all_gather` stacks along a new first axis.
+_GATHERED = {jax.lax.psum: jnp.sum, jax.lax.pmean: jnp.mean, jax.lax.pmax: jnp.max}
+
+
+def _vmap_axes_under_an_explicit_mesh(axes: tuple[Hashable, ...]) -> bool:
+  """Whether `axes` are named `vmap` axes (no mesh axis) with an Explicit mesh in context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  return explicit and not set(axes) & set(mesh.axis_names)
+
+
+def _over_gathered(op, x: Any, axes: tuple[Hashable, ...]) -> Any:
+  """`op(x, axes)` over named `vmap` axes as a reduction of their `all_gather`: under an
+  Explicit mesh, jax 0.12 fails to batch `psum`, `pmean` and `pmax` over a vmap's axis
+  (a sharding of one rank more than the value), where `all_gather` batches correctly
+  (`tests/test_transform.py`, a named vmap under an Explicit mesh)."""
+  return jax.tree.map(lambda v: _GATHERED[op](jax.lax.all_gather(v, axes), axis=0), x)
 
 
 def agree_max(value: jax.Array, axis_name: AxisName = None) -> jax.Array:

@@ -134,30 +134,37 @@ class Loop:
     invariant: the loop's operands that the body reads unchanged at every iteration, in
       the order of the body's first inputs; the body's other inputs change with the loop.
     reverse: whether the iterations run last to first (`scan(..., reverse=True)`).
+    carried: how many of the loop's results are its carry, passed from one iteration to
+      the next; a scan's other results are stacked, one row per iteration.
   """
   body: Program
   invariant: tuple[Operand, ...]
   reverse: bool
+  carried: int
 
 
 def loop(eqn: Equation) -> Loop | None:
   """`eqn` as a `Loop`, or `None` if it is no loop."""
   name, params, args = primitive_name(eqn), eqn.params, operands(eqn)
   if name == "scan":
-    return Loop(params["jaxpr"], tuple(args[:_scan_consts(params)]),
-                bool(params.get("reverse", False)))
+    consts, carried = _scan_sizes(params)
+    return Loop(params["jaxpr"], tuple(args[:consts]), bool(params.get("reverse", False)),
+                carried)
   if name == "while":
     start = params["cond_nconsts"]
-    return Loop(params["body_jaxpr"], tuple(args[start:start + params["body_nconsts"]]), False)
+    return Loop(params["body_jaxpr"], tuple(args[start:start + params["body_nconsts"]]), False,
+                len(results(eqn)))
   return None
 
 
-def _scan_consts(params: dict) -> int:
-  """How many of a scan's operands are its loop invariants: `num_consts` up to jax 0.10,
-  from jax 0.11 the size of the first part (consts, carry, xs) of its `ft_in`."""
+def _scan_sizes(params: dict) -> tuple[int, int]:
+  """How many of a scan's operands are its loop invariants and its carry: `num_consts`
+  and `num_carry` up to jax 0.10, from jax 0.11 the sizes of the first two parts
+  (consts, carry, xs) of its `ft_in`."""
   if "num_consts" in params:
-    return params["num_consts"]
-  return len(params["ft_in"].unpack()[0])
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 # Running a program with other precisions (autocast).

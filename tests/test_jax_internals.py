@@ -60,7 +60,7 @@ def test_a_scan_is_a_loop_with_its_invariant_operands_first(reverse):
   program = jax.make_jaxpr(f)((jnp.ones(3), jnp.ones(3)), jnp.ones((4, 3)))
   eqn = only(program, "scan")
   loop = internals.loop(eqn)
-  assert len(loop.invariant) == 2 and loop.reverse is reverse
+  assert len(loop.invariant) == 2 and loop.reverse is reverse and loop.carried == 2
   assert loop.invariant == tuple(internals.operands(eqn)[:2])
   assert len(internals.inputs(loop.body)) == 2 + 2 + 1  # invariants, carry, slice
 
@@ -72,7 +72,7 @@ def test_a_while_loop_is_a_loop_with_its_body_invariants():
   program = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3))
   eqn = only(program, "while")
   loop = internals.loop(eqn)
-  assert loop.reverse is False and len(loop.invariant) == 1
+  assert loop.reverse is False and len(loop.invariant) == 1 and loop.carried == 2
   assert len(internals.inputs(loop.body)) == 1 + 2
 
 

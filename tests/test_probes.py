@@ -14,8 +14,8 @@ import pytest
 from helpers import clean_env
 from helpers import scale_backward
 from jax import lax
-from jax.extend.core import ClosedJaxpr
 
+from jax_lossscale import _jax_internals as internals
 from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
 
@@ -78,13 +78,11 @@ def test_measurements_leave_the_device_through_the_backward_pass_not_a_host_call
 
 def reductions(fun, *args) -> int:
   """The number of reductions in `fun`'s program, nested jaxprs included."""
-  def count(jaxpr):
-    params = jax.tree.leaves([e.params for e in jaxpr.eqns],
-                             is_leaf=lambda p: isinstance(p, ClosedJaxpr))
-    subs = [p.jaxpr for p in params if isinstance(p, ClosedJaxpr)]
-    return sum(e.primitive.name.startswith("reduce") for e in jaxpr.eqns) + sum(
-        count(sub) for sub in subs)
-  return count(jax.make_jaxpr(fun)(*args).jaxpr)
+  def count(program):
+    eqns = internals.equations(program)
+    return sum(internals.primitive_name(e).startswith("reduce") for e in eqns) + sum(
+        count(sub) for e in eqns for sub in internals.programs(e))
+  return count(jax.make_jaxpr(fun)(*args))
 
 
 def test_each_probe_costs_one_reduction_of_its_activation_and_one_of_its_gradient():
@@ -173,14 +171,16 @@ def test_a_probe_in_a_scan_stacks_only_its_activations_three_figures_per_layer()
   # The row index rides along from the scan's inputs; a row selected, or an in-range flag
   # computed, in the forward pass would be one more residual stacked per layer (and one
   # more kernel for XLA to compile).
-  def stacked_outputs(jaxpr):  # of every scan, inside jitted functions too
-    inner = [sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub for e in jaxpr.eqns
-             for sub in e.params.values() if isinstance(sub, ClosedJaxpr) or hasattr(sub, "eqns")]
-    return [(v.aval.dtype, v.aval.shape) for e in jaxpr.eqns if e.primitive.name == "scan"
-            for v in e.outvars[e.params["num_carry"]:]] + [
-                out for sub in inner for out in stacked_outputs(sub)]
+  def stacked_outputs(program):  # of every scan, inside jitted functions too
+    found = []
+    for eqn in internals.equations(program):
+      loop = internals.loop(eqn)
+      if loop is not None and internals.primitive_name(eqn) == "scan":
+        found += [(v.aval.dtype, v.aval.shape) for v in internals.results(eqn)[loop.carried:]]
+      found += [out for sub in internals.programs(eqn) for out in stacked_outputs(sub)]
+    return found
 
-  stacked = lambda fun: stacked_outputs(jax.make_jaxpr(fun)(jnp.stack(PARAMS), X).jaxpr)
+  stacked = lambda fun: stacked_outputs(jax.make_jaxpr(fun)(jnp.stack(PARAMS), X))
   unprobed, probed = stacked(jax.value_and_grad(scanned)), stacked(with_probes(scanned))
   extra = list(probed)
   for residual in unprobed:
