@@ -105,20 +105,30 @@ def test_a_gradient_known_when_compiling_is_reduced_when_the_step_runs():
 
 
 def test_a_probe_keeps_no_activation_for_the_backward_pass():
-  # Pre-activations: nothing else in the backward pass needs them.
-  ws = [jnp.full((512, 512), 1e-3, jnp.float32)] * 3
+  # Pre-activations: nothing else in the backward pass needs them. What a probe kept for
+  # the backward pass would grow with the number of layers probed.
   x = jnp.ones((256, 512), F16)
-
-  def loss(ws, x):
-    for i, w in enumerate(ws):
-      x = jnp.tanh(pr.probe(x @ w.astype(F16), f"pre_{i}"))
-    return jnp.mean(x.astype(jnp.float32))
-
-  def temp_bytes(fun):
-    return jax.jit(fun).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
-
   one_activation = x.size * x.itemsize
-  assert temp_bytes(with_probes(loss)) - temp_bytes(jax.value_and_grad(loss)) < one_activation
+
+  def extra_bytes(layers):
+    ws = [jnp.full((512, 512), 1e-3, jnp.float32)] * layers
+
+    def loss(ws, x):
+      for i, w in enumerate(ws):
+        x = jnp.tanh(pr.probe(x @ w.astype(F16), f"pre_{i}"))
+      return jnp.mean(x.astype(jnp.float32))
+
+    def temp_bytes(fun):
+      return jax.jit(fun).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+    return temp_bytes(with_probes(loss)) - temp_bytes(jax.value_and_grad(loss))
+
+  three, six = extra_bytes(3), extra_bytes(6)
+  assert six - three < one_activation
+  # From jax 0.11, XLA:CPU writes a float16 dot's output read by the probe and by tanh
+  # to memory once in the forward pass: one activation, reused by every layer.
+  transient = one_activation if jax.__version_info__ >= (0, 11) else 0
+  assert three < transient + one_activation
 
 
 def test_a_function_without_probes_gets_plain_gradients_and_no_probes():
