@@ -20,10 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_lossscale import _loss_scale
 from jax_lossscale import _numerics
-from jax_lossscale import _trees
 
 # Each dtype's names in the policy grammar, the one `str(policy)` prints first: jmp's
 # `dtype_to_names`, keyed by scalar type as jmp keys it (a `np.dtype` finds its entry
@@ -101,12 +101,23 @@ def as_dtype(value: Any, argument: str) -> jnp.dtype:
 
 
 def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
-  """Casts the real floating array leaves of `tree`; everything else is untouched."""
+  """Casts the real floating array leaves of `tree` (JAX or NumPy arrays, as jmp does);
+  everything else is untouched, NumPy scalars and Python numbers included, as in jmp."""
   def cast(x):
-    if _trees.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+    if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
       return x.astype(dtype)
     return x
   return jax.tree.map(cast, tree)
+
+
+def _is_jmp_policy(value: Any) -> bool:
+  """Whether `value` is DeepMind jmp's `Policy` (what configs parsed by jmp give)."""
+  cls = type(value)
+  return cls.__name__ == "Policy" and cls.__module__.split(".")[0] == "jmp"
+
+
+def _dtypes(policy: Any) -> tuple[Any, Any, Any]:
+  return policy.param_dtype, policy.compute_dtype, policy.output_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +146,16 @@ class Policy:
     for field in dataclasses.fields(self):
       dtype = as_dtype(getattr(self, field.name), field.name)
       object.__setattr__(self, field.name, getattr(jnp, dtype.name))  # jnp.float16, ...
+
+  def __eq__(self, other: object) -> bool:
+    """Equal to a policy, ours or jmp's, with the same three dtypes."""
+    if isinstance(other, Policy) or _is_jmp_policy(other):
+      return tuple(jnp.dtype(d) for d in _dtypes(self)) == tuple(
+          jnp.dtype(d) for d in _dtypes(other))
+    return NotImplemented
+
+  def __hash__(self) -> int:
+    return hash(_dtypes(self))  # jmp's: its frozen dataclass hashes the same tuple
 
   def cast_to_param(self, tree: Any) -> Any:
     """Casts the floating leaves of `tree` to `param_dtype`; other leaves pass through."""
@@ -177,15 +198,20 @@ def _parse_dtype(value: str, policy_name: str) -> jnp.dtype:
   return dtype
 
 
-def get_policy(policy_name: str) -> Policy:
+def get_policy(policy_name: str | Policy) -> Policy:
   """A `Policy` from jmp's string grammar, giving the same dtypes as `jmp.get_policy`.
+
+  A policy object is taken too: ours as it is, DeepMind jmp's (what a config parsed
+  with jmp gives) as ours with its dtypes, so `get_policy(policy).loss_scale()` works
+  for both.
 
   `"c=f16"` means params float32, compute and output float16: unspecified params are
   float32, compute follows params, output follows compute. A single dtype name
   (`"half"`, `"f32"`) sets all three. Keys may repeat; the last wins.
 
   Args:
-    policy_name: e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=half"`.
+    policy_name: e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=half"`;
+      or a `Policy`, ours or jmp's.
 
   Returns:
     The `Policy`.
@@ -193,9 +219,13 @@ def get_policy(policy_name: str) -> Policy:
   Raises:
     ValueError: for an unknown key or dtype, or a part that is not `key=dtype`.
   """
+  if isinstance(policy_name, Policy):
+    return policy_name
+  if _is_jmp_policy(policy_name):
+    return Policy(*_dtypes(policy_name))
   if not isinstance(policy_name, str):
-    raise ValueError(f"`policy_name` must be a string such as 'p=f32,c=f16', got "
-                     f"{policy_name!r}.")
+    raise ValueError(f"`policy_name` must be a string such as 'p=f32,c=f16' or a Policy "
+                     f"(ours or jmp's), got {policy_name!r}.")
   if "=" not in policy_name:
     dtype = _parse_dtype(policy_name, policy_name)
     return Policy(dtype, dtype, dtype)

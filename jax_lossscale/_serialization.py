@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import REGISTRY
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import NoOpLossScale
 
 
 def serialize(loss_scale: LossScale) -> dict[str, Any]:
@@ -39,7 +43,12 @@ def get(identifier: Any) -> LossScale | None:
   * a real number → `FixedLossScale(number)`;
   * `"dynamic"` → `DynamicLossScale()`;
   * a `LossScale` → itself; `None` → `None`;
-  * a dict → `deserialize(dict)`.
+  * a dict → `deserialize(dict)`;
+  * jmp's loss scales (DeepMind jmp's or `jax_lossscale.jmp`'s) → the same scale here:
+    `DynamicLossScale(loss_scale, increment_period=period, multiplier=factor,
+    min_loss_scale=...)` from its current state, `FixedLossScale`, `NoOpLossScale`;
+  * a precision `Policy` (ours or jmp's) → the loss scale its compute dtype calls for
+    (`get_policy(policy).loss_scale()`).
 
   Raises:
     ValueError: "Could not interpret loss scale identifier ..." for anything else, and
@@ -59,7 +68,35 @@ def parse(identifier: Any, argument: str) -> LossScale | None:
     return DynamicLossScale()
   if isinstance(identifier, dict):
     return deserialize(identifier)
+  if isinstance(identifier, _policy.Policy) or _policy._is_jmp_policy(identifier):  # pylint: disable=protected-access
+    return _policy.get_policy(identifier).loss_scale()
+  from_jmp = _from_jmp(identifier, argument)
+  if from_jmp is not None:
+    return from_jmp
   raise ValueError(
       f"Could not interpret loss scale identifier {identifier!r} given as `{argument}`: "
-      "use a LossScale, a number >= 1 (a FixedLossScale), 'dynamic' (a DynamicLossScale) "
-      "or a dict from serialize().")
+      "use a LossScale, a number >= 1 (a FixedLossScale), 'dynamic' (a DynamicLossScale), "
+      "a dict from serialize(), a jmp loss scale or a precision Policy.")
+
+
+def _from_jmp(value: Any, argument: str) -> LossScale | None:
+  """The loss scale here that DeepMind jmp's (or `jax_lossscale.jmp`'s) `value` is, or
+  None if it is none of jmp's: a `DynamicLossScale` from its current scale and counter."""
+  cls = type(value)
+  if cls.__module__.split(".")[0] not in ("jmp", "jax_lossscale") or cls.__name__ not in (
+      "NoOpLossScale", "StaticLossScale", "DynamicLossScale") or isinstance(value, LossScale):
+    return None
+  if cls.__name__ == "NoOpLossScale":
+    return NoOpLossScale()
+  try:
+    scale = float(np.asarray(value.loss_scale, np.float32))
+  except TypeError:
+    raise ValueError(f"`{argument}`: a jmp {cls.__name__} with a traced or non-scalar scale "
+                     f"cannot become a loss_scaling loss scale, got {value!r:.200}.") from None
+  if cls.__name__ == "StaticLossScale":
+    with _validation.renamed(loss_scale_value=argument):
+      return FixedLossScale(scale)
+  min_scale = float(np.asarray(value.min_loss_scale, np.float32))
+  return DynamicLossScale(
+      scale, increment_period=int(value.period), multiplier=float(value.factor),
+      min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))

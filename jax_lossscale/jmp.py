@@ -9,13 +9,17 @@ into these. Two of jmp's bugs are fixed:
 * `min_loss_scale` survives `jit` and `tree_map`. jmp's hand-written unflatten forgot
   it, so after any `jit` the floor silently reset to 1. Here it is static data, like
   `period` and `factor`, and the registration enumerates every field.
-* The scale is held in float32. jmp keeps the dtype it is given, and a float16 scale
-  cannot hold 2**16: it stops growing at 2**15, and its products overflow. A float16
-  or integer scale is converted to float32 (an integer one with jmp's warning). A
-  `StaticLossScale` returns jmp's dtypes all the same: a float16 leaf times a Python
-  number or a float16 scale stays float16, as a `lax.fori_loop` carrying it needs. A
-  `DynamicLossScale`'s products are float32, as jmp's are once `adjust` has promoted
-  its scale to its float32 `min_loss_scale`.
+* A `DynamicLossScale` holds its scale in float32 (a strongly typed JAX array). jmp
+  keeps the dtype it is given, and a float16 scale cannot hold 2**16: it stops growing
+  at 2**15, and its products overflow. A float16 or integer scale is converted to
+  float32 (an integer one with jmp's warning); its products are float32 JAX arrays, as
+  jmp's are once `adjust` has promoted its scale to its float32 `min_loss_scale`.
+
+A `StaticLossScale` keeps its scale as given and returns jmp's products type for type
+(Python floats, NumPy or JAX arrays, weak or strong types), and a concrete one passes
+into `jit` as static data, a JAX array included. The casts of `Policy`, `cast_to_full`
+and `cast_to_half` cast JAX and NumPy arrays only, as jmp's: NumPy scalars and Python
+numbers pass through. `Policy` compares equal to jmp's with the same dtypes.
 
 `all_finite` and `select_tree` are the library's: `all_finite` also catches the NaN
 that XLA:CPU max-reductions drop, and handles float8 leaves; like jmp's, it answers per
@@ -35,7 +39,6 @@ import numpy as np
 
 from jax_lossscale import _finite
 from jax_lossscale import _trees
-from jax_lossscale import select_tree as _select_tree
 from jax_lossscale._policy import DTYPE_NAMES as dtype_to_names
 from jax_lossscale._policy import Policy
 from jax_lossscale._policy import cast_floating
@@ -94,14 +97,13 @@ def _is_number(value: Any) -> bool:
 
 
 def _float32(value: Any) -> Any:
-  """`value` in float32: a JAX array (traced or not) stays one, a number becomes NumPy's.
-
-  Objects that are neither pass through, as jmp lets them.
-  """
-  if isinstance(value, jax.Array):  # strongly typed: a weak one would let float16 stay
+  """`value` as a float32 JAX array (traced or not), strongly typed as jmp's scale is once
+  `adjust` has run (a weak one would let float16 stay). Objects that are not numbers pass
+  through, as jmp lets them."""
+  if isinstance(value, jax.Array):
     return (value if value.dtype == jnp.float32 and not value.weak_type else
             jax.lax.convert_element_type(value, jnp.float32))
-  return np.asarray(value, np.float32) if _is_number(value) else value
+  return jnp.asarray(value, jnp.float32) if _is_number(value) else value
 
 
 def _warn_if_not_floating(value: Any, argument: str) -> None:
@@ -111,40 +113,51 @@ def _warn_if_not_floating(value: Any, argument: str) -> None:
                   "it is converted to float32.", stacklevel=4)
 
 
-def _product_type(value: Any) -> Any:
-  """What jmp's products with the scale `value` take their dtype from: a Python number
-  or a weakly typed array is weak (`int` or `float`: float16 leaves stay float16), else
-  its (canonical) dtype. (Unscaling multiplies by `1 / value`, a `float` for an `int`.)"""
-  if type(value) is int or (getattr(value, "weak_type", False)
-                            and jnp.issubdtype(value.dtype, jnp.integer)):
-    return int  # integer leaves stay integers: jmp multiplies them by an int
-  if type(value) is float or getattr(value, "weak_type", False):
-    return float
-  return jax.dtypes.canonicalize_dtype(getattr(value, "dtype", np.float32))
+def _multiply(tree: T, factor: Any) -> T:
+  """Every leaf times `factor`, as jmp multiplies: the leaf's type and `factor`'s decide
+  the product's (a Python float times a Python number is a Python float, a NumPy array
+  times a JAX array a JAX array, weak times weak stays weak)."""
+  return jax.tree_util.tree_map(lambda x: x * factor, tree)
 
 
-def _integral(product_type: Any) -> bool:
-  """Whether products with a scale of `product_type` (see `_product_type`) are integers."""
-  return product_type is int or (product_type is not float
-                                 and jnp.issubdtype(product_type, jnp.integer))
+class _StaticValue:
+  """A concrete scale as static pytree data: hashed and compared by its type, dtype, weak
+  type, shape and bytes (a JAX or NumPy array is not hashable), keeping the value."""
+
+  def __init__(self, value: Any):
+    self.value = value
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+      array = np.asarray(value)
+      self._key = (type(value).__name__, array.dtype.str, array.shape, array.tobytes(),
+                   bool(getattr(value, "weak_type", False)))
+    else:
+      try:
+        self._key = (type(value).__name__, hash(value), value)
+      except TypeError:  # an object jmp lets through: static by identity
+        self._key = (type(value).__name__, id(value))
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _StaticValue) and self._key == other._key
 
 
-def _multiply(tree: T, factor: Any, product_type: Any = None, exact: int | None = None) -> T:
-  """Every leaf times `factor` (float32), in the dtype jmp's product with a scale of
-  `product_type` would have (None: the float32 product's). Integer leaves times a
-  concrete integer scale (`exact`) are integer products, as jmp's (wrapping on overflow)."""
-  if product_type is None:
-    return jax.tree_util.tree_map(lambda x: x * factor, tree)
+def _register_static_scale(cls):
+  """`cls`'s concrete `loss_scale` is static data (no leaves, as in jmp, so the object
+  passes into a jitted function); a traced one is its one leaf."""
+  def flatten(obj):
+    if isinstance(obj.loss_scale, jax.core.Tracer):
+      return (obj.loss_scale,), None
+    return (), _StaticValue(obj.loss_scale)
 
-  def leaf(x):
-    target = jnp.result_type(x, product_type)
-    if jnp.issubdtype(jnp.result_type(x), jnp.integer):
-      if exact is not None:
-        return x * (exact if product_type is int else jnp.asarray(exact, target))
-      x = jnp.asarray(x).astype(target)  # as jmp: converted first (2**24 + 1 is inf in float16)
-    return (x * factor).astype(target)
+  def unflatten(aux, children):
+    obj = object.__new__(cls)
+    object.__setattr__(obj, "loss_scale", children[0] if aux is None else aux.value)
+    return obj
 
-  return jax.tree_util.tree_map(leaf, tree)
+  jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+  return cls
 
 
 @_pytree()
@@ -167,50 +180,30 @@ class NoOpLossScale:
     return self
 
 
-@_pytree()
+@_register_static_scale
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-  """Scales and unscales by a fixed constant, held in float32.
+  """Scales and unscales by a fixed constant, kept as given, as jmp keeps it.
+
+  Products are jmp's, type for type: a float16 leaf times a Python number or a float16
+  scale stays float16 (as a `lax.fori_loop` carrying it needs), a NumPy leaf times a JAX
+  scale is a JAX array, a weak leaf times a Python number stays weak.
 
   Args:
     loss_scale: the constant. A concrete value is static (the object has no leaves, as
-      in jmp, and can be passed to a jitted function); a traced one stays traced.
+      in jmp, and can be passed to a jitted function, also a JAX array, which jmp's cannot);
+      a traced one is a leaf.
   """
 
   loss_scale: jax.Array
-  _product_type: Any = dataclasses.field(default=None, repr=False)  # see `_product_type`
-  _integer: int | None = dataclasses.field(default=None, repr=False)  # a concrete int scale
-
-  def __post_init__(self):
-    if self._product_type is None:
-      object.__setattr__(self, "_product_type", _product_type(self.loss_scale))
-    object.__setattr__(self, "_integer", self._exact_integer())
-    scale = _float32(self.loss_scale)
-    if not isinstance(scale, jax.core.Tracer):
-      scale = np.float32(scale)  # hashable, as static data must be
-    object.__setattr__(self, "loss_scale", scale)
-
-  def _exact_integer(self) -> int | None:
-    """The scale as an exact int, for an integer scale that is one concrete number (kept
-    through `dataclasses.replace` while the float32 scale still rounds to it)."""
-    kind, value = self._product_type, self.loss_scale
-    if not _integral(kind) or (
-        isinstance(value, jax.core.Tracer) or np.ndim(value) != 0):
-      return None
-    if self._integer is not None and np.float32(self._integer) == np.float32(value):
-      return self._integer
-    return int(value) if float(value).is_integer() else None
 
   def scale(self, tree: T) -> T:
-    """Multiplies every leaf of `tree` by the scale (each in jmp's dtype)."""
-    return _multiply(tree, self.loss_scale, self._product_type, self._integer)
+    """Multiplies every leaf of `tree` by the scale, as jmp does."""
+    return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    kind = self._product_type  # that of `1 / scale`: a float for an integer scale
-    if _integral(kind):
-      kind = float if kind is int else jnp.result_type(kind, float)
-    return _multiply(tree, 1 / self.loss_scale, kind)
+    """Multiplies every leaf of `tree` by the reciprocal of the scale, as jmp does."""
+    return _multiply(tree, 1 / self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
     del grads_finite
@@ -259,7 +252,7 @@ class DynamicLossScale:
           "`min_loss_scale` must be a concrete number (it is static, like `period` and "
           f"`factor`), got a traced value {self.min_loss_scale.aval}.")
     object.__setattr__(self, "loss_scale", _float32(self.loss_scale))
-    object.__setattr__(self, "min_loss_scale", np.float32(_float32(self.min_loss_scale)))
+    object.__setattr__(self, "min_loss_scale", np.float32(np.asarray(self.min_loss_scale)))
 
   def scale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the scale, in float32 (float16 leaves widen,
@@ -307,11 +300,14 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """`a` where the boolean scalar `pred` is true, else `b`, leaf by leaf.
 
   Chooses with `jnp.where`, so a NaN in the tree not chosen never leaks into the result.
+  Every leaf comes back a JAX array, as jmp's `lax.select` gives it (a Python number a
+  weakly typed one).
 
   Raises:
     ValueError: (also an `AssertionError`, as jmp's) if `pred` is not a boolean scalar.
   """
-  return _select_tree(_boolean_scalar(pred, "select_tree", "pred"), a, b)
+  pred = _boolean_scalar(pred, "select_tree", "pred")
+  return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def cast_to_full(tree: T) -> T:

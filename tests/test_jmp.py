@@ -102,12 +102,15 @@ def test_a_traced_min_loss_scale_is_refused_naming_it():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, np.float16, jnp.bfloat16, jnp.float32],
                          ids=["jnp.float16", "np.float16", "bfloat16", "float32"])
-def test_a_loss_scale_is_held_in_float32_whatever_dtype_it_is_given(dtype):
+def test_a_dynamic_scale_is_held_in_float32_whatever_dtype_it_is_given(dtype):
   dynamic = jmp.DynamicLossScale(jnp.asarray(2.0**15, dtype), period=1)
-  static = jmp.StaticLossScale(np.asarray(2.0**15, dtype))
-  assert dynamic.loss_scale.dtype == static.loss_scale.dtype == jnp.float32
+  assert dynamic.loss_scale.dtype == jnp.float32 and not dynamic.loss_scale.weak_type
   assert dynamic.min_loss_scale.dtype == jnp.float32
   assert dynamic.adjust(jnp.bool_(True)).loss_scale.dtype == jnp.float32
+  # A static scale never grows: it is kept as given, as jmp keeps it.
+  static = jmp.StaticLossScale(np.asarray(2.0**15, dtype))
+  assert static.loss_scale.dtype == real_jmp.StaticLossScale(np.asarray(2.0**15, dtype)
+                                                             ).loss_scale.dtype == dtype
 
 
 def test_a_float16_scale_grows_past_what_float16_can_hold(maybe_jit):
@@ -308,3 +311,64 @@ def test_a_dynamic_scale_returns_float32_products_as_jmps_does_once_adjusted(giv
   assert_scaled_alike(ours, theirs)
   looped = jax.lax.fori_loop(0, 3, lambda _, s: s.adjust(jnp.bool_(True)), ours)
   assert int(looped.counter) == 3
+
+
+def kind(x):
+  """A leaf's type as jmp's users meet it: Python, NumPy or JAX, dtype, weak or strong."""
+  if isinstance(x, jax.Array):
+    return f"jax.Array[{x.dtype}{', weak' if x.weak_type else ''}]"
+  if isinstance(x, (np.ndarray, np.generic)):
+    return f"{type(x).__name__}[{x.dtype}]"
+  return type(x).__name__
+
+
+LEAVES = {"python-float": 0.5, "python-int": 3, "np.float32": np.float32(0.5),
+          "np.float16": np.float16(0.5), "np.ndarray": np.ones(2, np.float32),
+          "weak-float32": jnp.asarray(0.5), "float32": jnp.ones(2),
+          "float16": jnp.ones(2, jnp.float16)}
+
+
+@pytest.mark.parametrize("given", GIVEN.values(), ids=GIVEN)
+def test_a_static_scale_returns_jmps_types_python_numpy_or_jax_weak_or_strong(given):
+  # A Python float scale times a Python float is a Python float, a JAX scale times a
+  # NumPy array a JAX array, a Python number times a weak array stays weak: as jmp's.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # jmp's warning for an integer scale
+    ours, theirs = jmp.StaticLossScale(given()), real_jmp.StaticLossScale(given())
+  assert kind(ours.loss_scale) == kind(theirs.loss_scale)
+  for method in ("scale", "unscale"):
+    got, want = (getattr(s, method)(LEAVES) for s in (ours, theirs))
+    assert jax.tree.map(kind, got) == jax.tree.map(kind, want)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+
+
+@pytest.mark.parametrize("given", ["python-float", "weak-float32", "float32", "np.float64"])
+def test_a_dynamic_scale_returns_jax_arrays_as_jmps_does_once_adjusted(given):
+  ours = jmp.DynamicLossScale(GIVEN[given]())
+  theirs = real_jmp.DynamicLossScale(GIVEN[given]()).adjust(jnp.bool_(True))
+  assert kind(ours.loss_scale) == kind(theirs.loss_scale) == "jax.Array[float32]"
+  floats = {k: v for k, v in LEAVES.items() if "16" not in k}  # float16 stays float32 here
+  for method in ("scale", "unscale"):
+    got, want = (getattr(s, method)(floats) for s in (ours, theirs))
+    assert jax.tree.map(kind, got) == jax.tree.map(kind, want)
+
+
+def test_casts_leave_numpy_scalars_and_python_numbers_alone_as_jmps_do():
+  for name in ("p=f32,c=f16,o=f32", "half", "p=f16,c=f32"):
+    ours, theirs = jmp.get_policy(name), real_jmp.get_policy(name)
+    for cast in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+      got, want = getattr(ours, cast)(LEAVES), getattr(theirs, cast)(LEAVES)
+      assert jax.tree.map(kind, got) == jax.tree.map(kind, want)
+  for cast in ("cast_to_full", "cast_to_half"):
+    got, want = getattr(jmp, cast)(LEAVES), getattr(real_jmp, cast)(LEAVES)
+    assert jax.tree.map(kind, got) == jax.tree.map(kind, want)
+  assert jmp.cast_to_half({"x": np.float32(0.5)})["x"].dtype == np.float32
+
+
+def test_select_tree_returns_jax_arrays_as_jmps_does():
+  a = {"f": 1.0, "i": 2, "n": np.float32(3.0), "w": jnp.asarray(4.0), "h": jnp.ones(2, jnp.float16)}
+  b = jax.tree.map(lambda x: x * 2, a)
+  for pred in (jnp.bool_(True), jnp.bool_(False)):
+    got, want = jmp.select_tree(pred, a, b), real_jmp.select_tree(pred, a, b)
+    assert jax.tree.map(kind, got) == jax.tree.map(kind, want)
+    chex.assert_trees_all_equal(got, want)

@@ -180,3 +180,40 @@ def test_one_string_switches_an_experiment_between_bfloat16_and_float16():
   for name in ("p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"):
     params, state = train(name)
     assert params["w"].dtype == jnp.float32 and int(state.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("name", ["p=f32,c=f16,o=f32", "half", "c=bf16", "f32"])
+def test_a_policy_equals_jmps_with_the_same_dtypes(name):
+  ours, theirs = jls.get_policy(name), jmp.get_policy(name)
+  assert ours == theirs and theirs == ours and hash(ours) == hash(theirs)
+  assert ours != jmp.get_policy("f64") and len({ours, theirs}) == 1
+
+
+def test_jmps_policy_is_taken_where_ours_is():
+  # What a config parsed with jmp gives (levanter's `mp`): get_policy makes it ours, and
+  # loss_scaling takes it as the loss scale its compute dtype calls for.
+  theirs = jmp.get_policy("p=f32,c=f16,o=f32")
+  ours = jls.get_policy(theirs)
+  assert isinstance(ours, jls.Policy) and ours == theirs
+  assert ours.loss_scale() == jls.DynamicLossScale()
+  tx = jls.loss_scaling(optax.sgd(0.1), theirs)
+  assert tx.init({"w": jnp.ones(2)}).loss_scale == jls.DynamicLossScale()
+  assert jls.get(jmp.get_policy("p=f32,c=bf16")) == jls.NoOpLossScale()
+  assert jls.get_policy(ours) is ours
+
+
+def test_jmps_loss_scales_are_taken_where_ours_are():
+  import jax_lossscale.jmp as drop_in
+
+  dynamic = jmp.DynamicLossScale(jnp.float32(2.0**12), jnp.int32(5), period=100, factor=4,
+                                 min_loss_scale=jnp.float32(2.0))
+  expected = jls.DynamicLossScale(2.0**12, increment_period=100, multiplier=4.0,
+                                  min_loss_scale=2.0, num_good_steps=5)
+  assert jls.get(dynamic) == expected
+  assert jls.get(drop_in.DynamicLossScale(jnp.float32(2.0**12), np.int32(5), period=100,
+                                          factor=4, min_loss_scale=2.0)) == expected
+  for static in (jmp.StaticLossScale(128.0), drop_in.StaticLossScale(128.0)):
+    assert jls.get(static) == jls.FixedLossScale(128.0)
+  assert jls.get(jmp.NoOpLossScale()) == jls.NoOpLossScale()
+  tx = jls.loss_scaling(optax.sgd(0.1), dynamic)
+  assert float(tx.init({"w": jnp.ones(2)}).loss_scale()) == 2.0**12
