@@ -243,8 +243,9 @@ def skipped_steps_with_an_unmeasured_overflow(loss_scale, steps=3000):
 def test_with_a_margin_an_unmeasured_overflow_costs_no_more_steps_than_without(margin, history):
   # A margin drops the scale two or more doublings at an overflow; the scale then climbs
   # back to the doubling below the ceiling only once the overflow leaves the history. An
-  # overflow there lowers the ceiling (it once counted as a NaN that no scale avoids, and
-  # the run skipped a step every history + 1 steps: 179 of 3,000 with margin=1).
+  # overflow there, at a scale not yet run finite under the ceiling, lowers the ceiling:
+  # taken for a NaN that no scale avoids, it would leave the ceiling a doubling too high
+  # and skip a step every history + 1 steps (benchmarks/RESULTS.md).
   with_margin = skipped_steps_with_an_unmeasured_overflow(
       jls.MeasuredLossScale(margin=margin, history=history))
   without = skipped_steps_with_an_unmeasured_overflow(jls.MeasuredLossScale(history=history))
