@@ -230,9 +230,15 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
   env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
   read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]  # noqa: E731
-  for eqn in jaxpr.eqns:
+  last_use = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.invars
+              if not isinstance(v, _core.Literal)}
+  last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
+  for i, eqn in enumerate(jaxpr.eqns):
     env.update(zip(eqn.outvars, run(Operation(eqn), [read(v) for v in eqn.invars]),
                    strict=True))
+    for v in eqn.invars:  # a value no later operation reads is let go (eager arrays)
+      if not isinstance(v, _core.Literal) and last_use.get(v) == i:
+        env.pop(v, None)
   return [read(v) for v in jaxpr.outvars]
 
 
