@@ -102,6 +102,13 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
   `jit`, `grad`, `vmap`, loops, `cond`, `checkpoint`, custom derivatives and
   `shard_map`; `precision_summary` shows what ran where.
 
+  `fun` is traced on every call, as `jax.jit` traces it (Python control flow on array
+  values is not possible), then run operation by operation: call the result under
+  `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
+  flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
+  A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
+  differentiation, its rule replaces its autocast function.
+
   Args:
     fun: the function; its array arguments (also inside pytrees, flax NNX modules and
       equinox modules) are traced, its other arguments are passed as they are.

@@ -61,6 +61,15 @@ def test_matmuls_run_in_compute_dtype_and_the_outputs_keep_their_dtypes():
   assert dtypes_of(ran, "dot_general", backward=True) == {"float16"}
 
 
+def test_convolutions_run_in_compute_dtype_forward_and_backward():
+  image, kernel = jnp.ones((1, 2, 6, 6)), jnp.ones((3, 2, 3, 3)) / 9
+  conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)  # noqa: E731
+  ran = summary(jls.autocast(conv), kernel, image)
+  assert dtypes_of(ran, "conv_general_dilated") == {"float16"}
+  assert dtypes_of(ran, "conv_general_dilated", backward=True) == {"float16"}
+  np.testing.assert_allclose(jls.autocast(conv)(kernel, image), conv(kernel, image), rtol=1e-2)
+
+
 @pytest.mark.parametrize("compute_dtype, expected", [
     (jnp.float16, "float16"), (jnp.bfloat16, "bfloat16"), ("f16", "float16"),
     ("half", "float16"), ("bf16", "bfloat16")])
