@@ -202,7 +202,9 @@ def loss_scaling(
       norm of each step's unscaled gradients in the state, read by
       `metrics(opt_state)["grad_norm"]`. Costs one more read of the gradients per step
       (the check takes their largest magnitude, not their squares); free with
-      `clip_by_global_norm`. `unscale(grads, opt_state)` gives the gradients themselves.
+      `clip_by_global_norm`. Inside `shard_map` or `pmap`, the norm of this device's
+      gradients (pass the averaged ones for the global norm). `unscale(grads, opt_state)`
+      gives the gradients themselves.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
