@@ -43,12 +43,12 @@ _SIBLINGS = ("a transformation chained before loss_scaling sees scaled gradients
              "chained after it still runs on skipped steps")
 
 
-def find_state(opt_state: Any, function: str = "find_state",
+def find_state(opt_state: Any, function: str | None = None,
                argument: str = "opt_state") -> LossScalingState:
   """The one `LossScalingState` of an optimizer state, its arrays unwrapped.
 
   `opt_state` may also be anything with an `opt_state` attribute (`nnx.Optimizer`,
-  flax's `TrainState`). Errors name the caller's `function` and `argument`.
+  flax's `TrainState`). Errors name the caller's `function` (if given) and `argument`.
 
   Raises:
     ValueError: if there is none, more than one, or it is not the outermost
@@ -64,8 +64,9 @@ def find_state(opt_state: Any, function: str = "find_state",
             "nnx.Optimizer itself." if _looks_flattened(opt_state) else
             " Is the optimizer wrapped with jax_lossscale.loss_scaling?")
     raise ValueError(
-        f"{function}: `{argument}` must be the state of a jax_lossscale.loss_scaling "
-        "optimizer (or an nnx.Optimizer or flax TrainState holding it), with exactly one "
+        f"{function + ': ' if function else ''}`{argument}` must be the state of a "
+        "jax_lossscale.loss_scaling optimizer (or an nnx.Optimizer or flax TrainState "
+        "holding it), with exactly one "
         f"loss_scaling state inside; found {len(found)} in a {type(opt_state).__name__}."
         f"{hint}")
   path, state = found[0]
