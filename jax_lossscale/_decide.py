@@ -35,7 +35,7 @@ class Decision(NamedTuple):
     measured: float32 scalar, the largest magnitude of the scaled gradients and of the
       probed activation gradients, for a loss scale that measures; else None.
     grad_norm: the global L2 norm of the unscaled gradients (before clipping; inf or NaN
-      where they are not finite), when clipping or asked for; else None.
+      where they are not finite; the largest of the devices'), when asked for; else None.
   """
 
   grads_finite: jax.Array
@@ -52,7 +52,8 @@ class Decision(NamedTuple):
 def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.AxisName,
            max_norm: float | None, probes: Any = None, norm: bool = False) -> Decision:
   """Checks the scaled gradients and the loss once, agreed across devices; with `norm`,
-  also takes the unscaled gradients' global norm (free when clipping: the clip's own)."""
+  also takes the unscaled gradients' global norm (free when clipping: the clip's own),
+  the largest of the devices' (one `pmax`), so replicas keep one state."""
   unscaling = loss_scale._unscaling()  # pylint: disable=protected-access
   largest = _finite.largest_magnitudes(grads)
   grad_norm = None
@@ -62,6 +63,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
       grad_norm = unscaling(global_norm(grads))
   else:
     grads_finite, grad_norm, unscaling = _clipped(grads, unscaling, max_norm)
+  grad_norm = _finite.agree_max(grad_norm, axis_name) if norm else None
   if probes is not None and not isinstance(probes, _probes.Probes):
     raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
                     f"returned (a diagnostics.Probes), got {type(probes).__name__}.")

@@ -112,7 +112,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
   `loss_scale` (the scale of the next step), `last_applied` and the counts of
   `LossScalingState`: `skipped_steps`, `consecutive_skips`, `nonfinite_loss_steps`,
   `nonfinite_update_steps`, `consecutive_nonfinite_loss`, `consecutive_nonfinite_updates`;
-  with `loss_scaling(..., grad_norm=True)` or `clip_by_global_norm`, also `grad_norm`:
+  with `loss_scaling(..., grad_norm=True)`, also `grad_norm`:
   the global L2 norm of the last step's unscaled gradients (before clipping; inf or NaN
   on a step skipped because they overflowed, NaN before any step). Jittable; the values
   stay on the device until read. `opt_state` may be any optimizer state holding a

@@ -44,8 +44,8 @@ class LossScalingState(NamedTuple):
     last_loss_scale: float32 scalar, the scale the last step's gradients were computed
       with (`unscale` divides by it; `loss_scale` may already hold the next one); the
       initial scale before any step.
-    grad_norm: with `loss_scaling(..., grad_norm=True)` or `clip_by_global_norm`, the
-      global L2 norm of the last step's unscaled gradients (before clipping), float32
+    grad_norm: with `loss_scaling(..., grad_norm=True)`, the global L2 norm of the
+      last step's unscaled gradients (before any clipping), float32
       (float64 for float64 gradients), also on a skipped step: inf or NaN when they
       overflowed, NaN before any step; else None.
 
@@ -197,14 +197,15 @@ def loss_scaling(
       gradients have a norm beyond float32 (about 1.8e19 before unscaling) is skipped
       like an overflow. Inside `shard_map` or `pmap` the norm is of this device's
       gradients, as optax's would be. Around `optax.MultiSteps` it clips each micro-batch.
-      Its norm is recorded as with `grad_norm=True`, at no cost.
+      With `grad_norm=True`, its norm is the one recorded, at no further cost.
     grad_norm: for gradient-norm logging (what most trainers log): record the global L2
       norm of each step's unscaled gradients in the state, read by
       `metrics(opt_state)["grad_norm"]`. Costs one more read of the gradients per step
       (the check takes their largest magnitude, not their squares); free with
-      `clip_by_global_norm`. Inside `shard_map` or `pmap`, the norm of this device's
-      gradients (pass the averaged ones for the global norm). `unscale(grads, opt_state)`
-      gives the gradients themselves.
+      `clip_by_global_norm`. Inside `shard_map` or `pmap`, the largest of the devices'
+      norms (one more scalar collective), so every replica keeps the same state: the
+      global norm where the gradients are averaged before the step.
+      `unscale(grads, opt_state)` gives the gradients themselves.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
@@ -223,8 +224,7 @@ def loss_scaling(
       clip_by_global_norm)
   if not isinstance(grad_norm, bool):
     raise ValueError(f"`grad_norm` must be True or False, got {grad_norm!r}.")
-  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm,
-               grad_norm or max_norm is not None)
+  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm, grad_norm)
   return LossScalingTransformation(step.init, step)
 
 
@@ -362,7 +362,7 @@ class _Step:
       raise ValueError(
           "`state` belongs to a loss_scaling that "
           + ("does not record" if self.norm else "records")
-          + " the gradients' norm (grad_norm=True or clip_by_global_norm), this one "
+          + " the gradients' norm (grad_norm=True), this one "
           + ("does" if self.norm else "does not")
           + ": pass tx.wrap_state(state.inner_state) to keep the optimizer's state.")
 

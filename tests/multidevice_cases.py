@@ -354,3 +354,15 @@ def test_a_vmap_axis_named_inside_shard_map_with_check_vma_is_refused_naming_axi
                                   axis_name="v")(x[0])[None]
   with pytest.raises(ValueError, match="`axis_name` must name axes.*got 'v'"):
     jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(g)
+
+
+def test_the_recorded_gradient_norm_is_the_largest_devices_so_replicas_keep_one_state(mesh):
+  params = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P("data")))
+  unscaled = jnp.arange(24.0).reshape(8, 3) / 10  # device i holds row i
+  scaled = jax.device_put(unscaled * 4.0, NamedSharding(mesh, P("data")))
+  tx = jls.loss_scaling(optax.adam(0.1), jls.DynamicLossScale(4.0), axis_name="data",
+                        grad_norm=True)
+  state = tx.init(params)
+  _, new_state = shard_map_update(tx, mesh, state_specs(state))(scaled, state, params)
+  largest = float(np.max(np.linalg.norm(np.asarray(unscaled), axis=1)))
+  assert float(jls.metrics(new_state)["grad_norm"]) == pytest.approx(largest, rel=1e-6)

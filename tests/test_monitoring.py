@@ -108,10 +108,13 @@ def test_metrics_give_the_unscaled_gradients_norm_when_asked_for():
   _, state = jax.jit(tx.apply_gradients)(BAD, state, PARAMS)  # skipped: the norm is NaN
   assert np.isnan(float(jls.metrics(state)["grad_norm"])) and not bool(state.last_applied)
   assert "grad_norm" not in jls.metrics(jls.loss_scaling(optax.sgd(0.1)).init(PARAMS))
+  clipped = jls.loss_scaling(optax.sgd(0.1), clip_by_global_norm=1.0)
+  assert "grad_norm" not in jls.metrics(clipped.init(PARAMS))
 
 
-def test_with_clipping_the_norm_is_recorded_before_the_clip_at_no_cost():
-  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.0), clip_by_global_norm=1.0)
+def test_with_clipping_the_norm_recorded_is_the_clips_before_the_clip():
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.0), clip_by_global_norm=1.0,
+                        grad_norm=True)
   grads = jax.tree.map(lambda g: g * 4.0 * 2.0, GOOD)  # unscaled: 15 values of 2
   _, state = tx.update(grads, tx.init(PARAMS), PARAMS)
   assert float(jls.metrics(state)["grad_norm"]) == pytest.approx(2.0 * 15**0.5, rel=1e-6)
