@@ -430,9 +430,13 @@ def sharded_batches(mesh, device):
 
 def nnx_run(model, optimizer, batches):
   logged = []
-  for batch in batches:
-    loss, metrics = nnx_train_step(model, optimizer, batch)
-    logged.append((float(loss), bool(metrics["last_applied"]), float(metrics["loss_scale"])))
+  mesh = batches[0]["image"].sharding.mesh
+  # jax.set_mesh as flax's examples use it: from jax 0.11, where make_mesh's axes are
+  # Explicit, optax's integer-label cross-entropy cannot be differentiated without it.
+  with jax.set_mesh(mesh):
+    for batch in batches:
+      loss, metrics = nnx_train_step(model, optimizer, batch)
+      logged.append((float(loss), bool(metrics["last_applied"]), float(metrics["loss_scale"])))
   return logged
 
 
