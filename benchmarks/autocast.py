@@ -8,7 +8,7 @@ from the float32 model (checked below: `precision_summary` and the compiled prog
 operations). Compile time (trace and lower, then XLA's compile, caches cleared) and step
 time are measured interleaved, in one process, several times each; medians are reported
 (and the fastest step time, the least disturbed by other load), with the ratio
-autocast / hand-cast.
+autocast / hand-cast. Compile and trace times are CPU times of this process.
 
 The interpreter's trace time is measured on a chain of N/2 `tanh(x @ w)` (N equations):
 `jax.make_jaxpr` of the function itself, and of its `autocast`; it must grow linearly.
@@ -89,13 +89,14 @@ def make_step(loss, optimizer):
 
 
 def compile_seconds(loss, optimizer, args):
-  """`(trace and lower seconds, XLA compile seconds, compiled step)`."""
+  """`(trace and lower seconds, XLA compile seconds, compiled step)`, in CPU time of this
+  process (wall time moves with whatever else the machine runs)."""
   jax.clear_caches()
-  start = time.perf_counter()
+  start = time.process_time()
   lowered = jax.jit(make_step(loss, optimizer)).lower(*args)
-  traced = time.perf_counter()
+  traced = time.process_time()
   compiled = lowered.compile()
-  return traced - start, time.perf_counter() - traced, compiled
+  return traced - start, time.process_time() - traced, compiled
 
 
 def step_seconds(compiled, args, steps):
@@ -122,9 +123,10 @@ def chain(n_equations):
 
 
 def trace_seconds(fun, args):
-  start = time.perf_counter()
+  """CPU seconds to trace `fun` on `args`, and the number of equations traced."""
+  start = time.process_time()
   program = jax.make_jaxpr(fun)(*args)
-  return time.perf_counter() - start, len(program.eqns)
+  return time.process_time() - start, len(program.eqns)
 
 
 def main():
@@ -172,7 +174,7 @@ def main():
   median = {name: {k: statistics.median(v) for k, v in parts.items()}
             for name, parts in times.items()}
   for name, m in median.items():
-    print(f"{name:>9}: compile {m['compile'] * 1e3:8.1f} ms (trace and lower "
+    print(f"{name:>9}: compile {m['compile'] * 1e3:8.1f} ms CPU (trace and lower "
           f"{m['trace'] * 1e3:7.1f}, XLA {m['xla'] * 1e3:7.1f})   step {m['step'] * 1e3:8.3f} ms")
   fastest = {name: min(parts["step"]) for name, parts in times.items()}
   print(f"fastest step: hand-cast {fastest['hand-cast'] * 1e3:.3f} ms, autocast "
@@ -188,7 +190,7 @@ def main():
   for n in options.equations:
     plain, count = trace_seconds(chain(n), (x, w))
     auto, auto_count = trace_seconds(jls.autocast(chain(n)), (x, w))
-    print(f"{count:>7} equations: make_jaxpr {plain:7.2f} s, of its autocast {auto:7.2f} s "
+    print(f"{count:>7} equations: make_jaxpr {plain:7.2f} s CPU, of its autocast {auto:7.2f} s "
           f"({auto_count} equations, {(auto - plain) / count * 1e6:.1f} us per equation "
           "interpreted)")
 

@@ -394,6 +394,18 @@ def test_flax_nnx_trains_under_nnx_value_and_grad_and_nnx_jit():
   assert dtypes_of(summary(loss, model, X), "dot_general") == {"float16"}
 
 
+def test_probes_on_an_autocast_nnx_loss_name_each_layer():
+  model = NNXMLP(nnx.Rngs(0))
+  tx = jls.loss_scaling(optax.adam(1e-3))
+  loss = jls.autocast(lambda model, x: jnp.mean((model(x) - Y) ** 2))
+  _, grads, probes = jls.scaled_value_and_grad(
+      loss, value_and_grad=nnx.value_and_grad, probes=True)(
+          tx.init(nnx.state(model, nnx.Param)), model, X)
+  assert list(probes) == ["hidden", "out"]
+  assert all(int(probes[name].hits) == 1 for name in probes)
+  assert grads["hidden"]["kernel"][...].dtype == F32
+
+
 def test_flax_nnx_state_that_the_model_changes_is_kept():
   class Noisy(nnx.Module):
     def __init__(self, rngs):
