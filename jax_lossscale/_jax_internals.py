@@ -13,6 +13,10 @@ What is read, and why:
   stands in for `pmap` on one device; JAX lists them only in `jax._src.core`.
 - `varying_axes`: the `shard_map` axes an abstract value varies over (`aval.vma`, or
   `aval.manual_axis_type.varying` where JAX kept them there).
+- `reverse_differentiable_here`: whether a value traced by an enclosing transformation
+  can be used where the code runs now and differentiated in reverse there (not in a
+  custom rule's own trace, nor under forward mode); JAX's stack of traces is only
+  private. The probes measure only there.
 - `programs`, `loop`, `is_literal`, `literal_value`: a traced program's equations, the
   programs inside an equation (a loop's body, a branch, a jitted function), a loop's
   body with its loop-invariant operands and direction (scan's parameters changed in
@@ -68,6 +72,37 @@ def varying_axes(aval: Any) -> frozenset:
   if manual is not None:
     return frozenset(manual.varying)
   return frozenset(getattr(aval, "vma", None) or ())
+
+
+# The transformations being traced.
+
+try:  # The stack of traces, innermost last, and forward mode's trace: only private.
+  from jax._src.core import unsafe_get_current_trace as _current_trace
+  from jax._src.core import unsafe_get_trace_stack as _trace_stack
+  from jax._src.interpreters.ad import JVPTrace as _ForwardTrace
+except ImportError:  # pragma: no cover (a JAX that moved them: every value is usable)
+  _current_trace = None
+
+
+def reverse_differentiable_here(value: Any) -> bool:
+  """Whether `value`, made by an enclosing transformation, can be used where the code
+  runs now, in a function that is differentiated in reverse (a `custom_vjp`).
+
+  Not where no trace of its differentiation encloses the current one: a `custom_vjp`'s or
+  `custom_jvp`'s function and rules are traced apart from the transformations around
+  them, and `value` would escape there. Nor where a forward-mode trace (`jax.jvp`,
+  `jax.jacfwd`) runs inside its own: a `custom_vjp` has no forward-mode rule. True for a
+  value that is no tracer, and where JAX does not tell.
+  """
+  if _current_trace is None or not isinstance(value, jax.core.Tracer):
+    return True
+  owner = getattr(value, "_trace", None)
+  tag = getattr(owner, "tag", None)  # a differentiation's traces share its tag (shard_map's)
+  stack = _trace_stack(_current_trace())
+  depths = [depth for depth, trace in enumerate(stack)
+            if trace is owner or (tag is not None and getattr(trace, "tag", None) is tag)]
+  return bool(depths) and not any(
+      isinstance(inner, _ForwardTrace) for inner in stack[depths[-1] + 1:])
 
 
 # Traced programs.

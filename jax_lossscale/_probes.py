@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _jax_internals
 from jax_lossscale import _probe_order
 from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
@@ -116,10 +117,21 @@ class _Measurement:
         return x  # (equinox MLP's) returned the same tracer there, a new one under `grad`
       raise ValueError(f"probe {name!r} was not reached when the function was first "
                        "traced; a function must reach the same probes on every trace.")
+    stats = self.stats[name]
+    if not _jax_internals.reverse_differentiable_here(stats) or _sharded_apart(stats):
+      return x  # a custom rule's own trace, forward mode: not measured, as if not probed
     # Inside shard_map, made to vary like `x`: the transpose then psums the stats.
-    return _measure(length, self.sizes[name] is None, x,
-                    _trees.varying_like(self.stats[name], x),
+    return _measure(length, self.sizes[name] is None, x, _trees.varying_like(stats, x),
                     None if length is None else jnp.asarray(index, jnp.int32))
+
+
+def _sharded_apart(stats: jax.Array) -> bool:
+  """Whether `stats` are made outside the `shard_map` this runs in, on a mesh with
+  `Explicit` axes: JAX cannot close over such an array inside it (it can over `Auto`)."""
+  mesh = getattr(jax.typeof(stats).sharding, "mesh", None)
+  here = jax.sharding.get_abstract_mesh()
+  return bool(here.manual_axes) and mesh is not None and mesh != here and any(
+      kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)
 
 
 def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = None):
@@ -128,8 +140,11 @@ def probe(x: jax.Array, name: str, *, index: Any = None, length: int | None = No
   Outside it, returns `x` itself and adds nothing to the program. A name reached
   several times (a layer applied twice, a `vmap` or `scan` inside the loss) sums its
   hits; a tensor a probe already returned is not measured again under another name. A
-  probe inside a function with its own `custom_vjp` is not measured (0 hits): the
-  backward pass there is that function's own.
+  probe is not measured (0 hits, "not measured" in `diagnostics.table`) inside a function
+  with its own `custom_vjp` or `custom_jvp` (the backward pass there is that function's
+  own), under forward-mode differentiation inside the loss (`jax.jvp`, `jax.jacfwd`), and
+  inside a `shard_map` of the loss on a mesh with `Explicit` axes; the program computes
+  what it computes without the probe.
   For one row per layer of a `lax.scan`, pass the layer's index and count::
 
       def body(h, layer):
@@ -316,10 +331,14 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple
     program = jax.make_jaxpr(traced)([leaf if array else None for leaf, array in zip(
         leaves, is_array, strict=True)])
   # Inside shard_map, each device's own: stats varying over the mesh, as under pmap.
-  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+  # Outside, on no mesh: JAX cannot close over an array sharded on a mesh's `Explicit`
+  # axes inside a `shard_map` of the loss, and the probes there read the stats so.
+  here = jax.sharding.get_abstract_mesh()
+  manual = tuple(here.manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
-  stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
-           for name, n in session.lengths.items()}
+  with jax.sharding.use_abstract_mesh(here if manual else jax.sharding.AbstractMesh((), ())):
+    stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
+             for name, n in session.lengths.items()}
   return stats, session.sizes, _probe_order.forward_order(
       session.lengths, session.hits, _probe_order.loops(program.jaxpr))
 

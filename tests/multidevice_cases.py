@@ -316,6 +316,24 @@ def test_raise_if_stuck_reads_a_pmapped_state():
     jls.raise_if_stuck(state, max_consecutive_skips=2)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_probes_in_a_shard_map_of_the_loss_measure_every_device_and_change_nothing(mesh, jit):
+  w = jax.device_put(jnp.linspace(-1, 1, 64).reshape(8, 8) / 4, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.linspace(-2, 2, 128).reshape(16, 8), NamedSharding(mesh, P("data")))
+
+  def loss(w, x):
+    def per_device(w, x):
+      hidden = jls.diagnostics.probe(jnp.tanh(x @ w), "hidden")
+      return jax.lax.pmean(jnp.mean(hidden**2), "data")
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(w, x)
+
+  state = jls.loss_scaling(optax.sgd(0.1)).init(w)
+  grad_fn = jls.scaled_value_and_grad(loss, probes=True)
+  value, grads, probes = (jax.jit(grad_fn) if jit else grad_fn)(state, w, x)
+  chex.assert_trees_all_equal((value, grads),
+                              jax.jit(jls.scaled_value_and_grad(loss))(state, w, x))
+  assert int(probes["hidden"].hits) == 8
+
 def test_a_named_vmap_inside_or_around_shard_map_agrees_over_the_devices_only(mesh):
   # Inside a mesh the replicas are its devices: a named vmap there (an ensemble per
   # device) keeps its members apart, as before named vmaps agreed outside meshes.

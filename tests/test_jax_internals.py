@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals as internals
@@ -229,3 +230,37 @@ def test_operations_that_depend_on_the_cotangents_are_the_backward_pass():
   assert {r.name for r in ran if not r.backward} >= {"dot_general", "sin", "cos"}
   assert {r.name for r in ran if r.backward} >= {"dot_general", "mul"}
   assert all(r.dtype == np.float32 for r in ran)
+
+
+def test_a_tracer_is_reverse_differentiable_where_its_differentiation_encloses_the_code(
+    maybe_jit):
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  differentiated, seen = [], {}
+
+  def note(where):
+    def identity(y):
+      seen[where] = internals.reverse_differentiable_here(differentiated[0])
+      return y
+    return identity
+
+  @jax.custom_vjp
+  def custom(y):  # traced apart from the differentiation around it
+    return note("custom_vjp")(y)
+
+  custom.defvjp(lambda y: (custom(y), None), lambda _, g: (g,))
+
+  def loss(s, x):
+    differentiated.append(s)
+    note("loss")(x)
+    jax.jit(note("jit"))(x)
+    jax.vmap(note("vmap"))(x)
+    lax.scan(lambda c, y: (c, note("scan")(y)), 0.0, x)
+    jax.shard_map(note("shard_map"), mesh=mesh, in_specs=P(), out_specs=P())(x)
+    jax.jvp(note("jvp"), (x,), (x,))  # forward mode, which a custom_vjp cannot enter
+    custom(x)
+    return jnp.sum(s * x)
+
+  maybe_jit(jax.grad(loss))(jnp.ones(2), jnp.ones(2))
+  assert seen == {"loss": True, "jit": True, "vmap": True, "scan": True, "shard_map": True,
+                  "jvp": False, "custom_vjp": False}
+  assert internals.reverse_differentiable_here(jnp.ones(2))  # no tracer

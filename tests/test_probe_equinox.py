@@ -261,3 +261,27 @@ def test_equinox_mlp_on_one_example_is_probed_layer_by_layer():
   assert all(int(probes[name].hits) == 1 for name in probes)
   chex.assert_trees_all_equal(
       (value, grads), eqx.filter_value_and_grad(loss)(model, jnp.ones(4)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_changes_nothing(
+    jit):
+  def loss(model, x):  # a rule of the user's own that runs the model in forward mode
+    params, static = eqx.partition(model, eqx.is_array)
+    plain = lambda params, x: eqx.combine(params, static)(x)  # noqa: E731
+    smooth = jax.custom_jvp(plain)
+    smooth.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+    return jnp.mean(jax.vmap(smooth, in_axes=(None, 0))(params, x) ** 2)
+
+  model, x = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0)), jnp.ones((3, 4))
+  state = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(1.0)).init(
+      eqx.filter(model, eqx.is_inexact_array))
+  transform = eqx.filter_jit if jit else (lambda f: f)
+  value, grads, probes = transform(jls.scaled_value_and_grad(
+      loss, value_and_grad=eqx.filter_value_and_grad, probes=True))(state, model, x)
+  # Called eagerly, a probed gradient function runs compiled: compared with the compiled
+  # unprobed one (XLA may round otherwise than operation by operation).
+  chex.assert_trees_all_equal((value, grads), eqx.filter_jit(jls.scaled_value_and_grad(
+      loss, value_and_grad=eqx.filter_value_and_grad))(state, model, x))
+  assert len(probes) >= 3 and all(int(probes[name].hits) == 0 for name in probes)
+  assert diagnostics.table(probes).count("not measured") == len(probes)

@@ -532,3 +532,57 @@ def test_a_loss_with_a_gradient_inside_it_is_measured_with_its_gradients_unchang
   value, grads, probes = with_probes(loss)(w, X[:, :4])
   chex.assert_trees_all_equal((value, grads), jax.value_and_grad(loss)(w, X[:, :4]))
   assert int(probes["hidden"].hits) == 1
+
+
+# --- other transformations ----------------------------------------------------------
+
+
+@jax.custom_vjp
+def sin_twice(x):
+  """A custom_vjp whose forward rule calls the function itself, as JAX's examples do."""
+  return pr.probe(jnp.sin(x), "inside") * 2
+
+
+sin_twice.defvjp(lambda x: (sin_twice(x), x), lambda x, g: (2 * g * jnp.cos(x),))
+
+
+@jax.custom_jvp
+def sin_once(x):
+  return pr.probe(jnp.sin(x), "inside")
+
+
+sin_once.defjvp(lambda primals, tangents: (sin_once(primals[0]),
+                                           jnp.cos(primals[0]) * tangents[0]))
+
+
+def assert_probed_as_unprobed(transform, loss, *args, measured):
+  """`loss` differentiated with probes (under `transform`): the value and gradients it has
+  without them, and `measured` the names measured (others reached: 0 hits)."""
+  value, grads, probes = transform(with_probes(loss))(*args)
+  chex.assert_trees_all_equal((value, grads), transform(jax.value_and_grad(loss))(*args))
+  assert {name for name in probes if int(probes[name].hits) > 0} == set(measured)
+  for name in set(probes) - set(measured):
+    assert "not measured" in diagnostics.table(probes).split(name)[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("custom", [sin_twice, sin_once], ids=["custom_vjp", "custom_jvp"])
+def test_a_probe_inside_a_custom_rule_measures_nothing_and_changes_nothing(custom, maybe_jit):
+  loss = lambda x: jnp.sum(pr.probe(custom(x), "outside") ** 2)  # noqa: E731
+  assert_probed_as_unprobed(maybe_jit, loss, jnp.ones(3), measured={"outside"})
+
+
+def test_forward_mode_inside_a_probed_loss_differentiates_as_without_probes(maybe_jit):
+  def critic(w, x):
+    return jnp.sum(pr.probe(jnp.tanh(x @ w), "hidden"))
+
+  def penalty(w, x):  # a gradient penalty by forward mode: the probe there is not measured
+    _, slope = jax.jvp(lambda x: critic(w, x), (x,), (jnp.ones_like(x),))
+    return critic(w, x) + slope**2
+
+  def jacobian(w, x):
+    return jnp.sum(jax.jacfwd(lambda x: jnp.tanh(pr.probe(x @ w, "jacobian")))(x[0]))
+
+  w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.float32)
+  x = X[:, :4].astype(jnp.float32)
+  assert_probed_as_unprobed(maybe_jit, penalty, w, x, measured={"hidden"})
+  assert_probed_as_unprobed(maybe_jit, jacobian, w, x, measured=set())
