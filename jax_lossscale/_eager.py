@@ -28,9 +28,10 @@ class CompiledBySignature:
 
   Leaves that are not arrays (strings, functions, Python numbers of an equinox module,
   keyword values) are part of the signature, as static arguments of `jit` are; where one
-  is unhashable, or `inputs` hold flax NNX objects (mutated in place, which a `jit`
-  boundary would not carry back), `fn` is called as is. The output may hold static
-  leaves too: those of a signature's first trace are returned with its arrays.
+  is unhashable, `fn` is called as is. flax NNX objects in `inputs` cross the `jit` by
+  NNX's split and merge, as `nnx.jit` does, and what `fn` changed in them (batch
+  statistics, random-number counts) is written back. The output may hold static leaves
+  too: those of a signature's first trace are returned with its arrays.
   """
 
   def __init__(self, fn: Callable[..., Any]):
@@ -39,30 +40,44 @@ class CompiledBySignature:
     self._static_outputs: dict = {}
 
   def __call__(self, *inputs: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(inputs)
+    graph = _nnx_objects(inputs)
+    if graph is None:
+      graphdef, (leaves, treedef) = None, jax.tree.flatten(inputs)
+    else:
+      graphdef, state = _nnx().split(inputs)
+      leaves, treedef = jax.tree.flatten(state)
     static = tuple(None if _trees.is_array(x) else x for x in leaves)
+    signature = (graphdef, treedef, static)
     try:
-      hash(static)
+      hash(signature)
     except TypeError:
       return self._fn(*inputs)
-    if _holds_nnx_objects(inputs):
-      return self._fn(*inputs)
-    signature = (treedef, static)
-    arrays = self._jitted(signature, [x if _trees.is_array(x) else None for x in leaves])
+    arrays, changed = self._jitted(signature, [
+        x if _trees.is_array(x) else None for x in leaves])
+    for obj, state in zip(graph or (), changed, strict=True):
+      _nnx().update(obj, state)
     return _trees.combine(arrays, self._static_outputs[signature])
 
   def _arrays_of(self, signature, arrays):
-    treedef, static = signature
+    graphdef, treedef, static = signature
     inputs = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(
         arrays, static, strict=True)])
+    if graphdef is not None:
+      inputs = _nnx().merge(graphdef, inputs)
     arrays, self._static_outputs[signature] = _trees.partition(self._fn(*inputs))
-    return arrays
+    graph = _nnx_objects(inputs) if graphdef is not None else ()
+    return arrays, [_nnx().state(obj) for obj in graph]
 
 
-def _holds_nnx_objects(tree: Any) -> bool:
-  nnx = sys.modules.get("flax.nnx")
+def _nnx() -> Any:
+  return sys.modules.get("flax.nnx")
+
+
+def _nnx_objects(tree: Any) -> list | None:
+  """The flax NNX objects (modules, `Rngs`, optimizers) in `tree`, or None for none."""
+  nnx = _nnx()
   if nnx is None:
-    return False
-  kinds = (nnx.Pytree, nnx.Variable)
-  is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
-  return any(map(is_kind, jax.tree.leaves(tree, is_leaf=is_kind)))
+    return None
+  is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
+  found = [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
+  return found or None

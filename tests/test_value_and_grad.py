@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import TRACED
+from helpers import assert_trees_close
 from helpers import count_compiles
 
 import jax_lossscale as jls
@@ -269,3 +270,25 @@ def test_a_probed_gradient_function_called_without_jit_compiles_and_traces_only_
   chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(first, eqx.is_array))
   chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(
       eqx.filter_jit(grad_fn)(state, model, x), eqx.is_array))
+
+
+def test_a_probed_nnx_model_called_without_jit_compiles_once_and_keeps_what_the_loss_changed():
+  from flax import nnx
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+  loss = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
+  models = [nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+            for _ in range(2)]
+  state = state_with_scale(4.0, {})
+  probed = jls.scaled_value_and_grad(loss, value_and_grad=nnx.value_and_grad, probes=True)
+  plain = jls.scaled_value_and_grad(loss, value_and_grad=nnx.value_and_grad)
+  probed(state, models[0])
+  with count_compiles() as compiles:
+    for _ in range(20):
+      _, grads, probes = probed(state, models[0])
+  for _ in range(21):
+    _, expected = plain(state, models[1])
+  assert compiles == [] and len(probes) >= 2
+  batch_stats = [nnx.state(m, nnx.BatchStat) for m in models]
+  assert_trees_close(batch_stats[0], batch_stats[1])
+  chex.assert_trees_all_close(grads, expected, atol=1e-5)  # a bias before BatchNorm: ~0
