@@ -25,11 +25,13 @@ What is read, and why:
 - `trace`, `evaluate`, `Operation`, `output_types`, `operations_ran`: a program re-run
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
-  the one way to trace for exact input types), for `autocast` and its precision summary.
+  the one way to trace for exact input types), in its name scope (`source_info_util`,
+  private), for `autocast` and its precision summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -222,6 +224,24 @@ _PROGRAM_PARAMS = {
 }
 
 
+try:  # An operation's name scope and traceback, for the programs it is bound into.
+  from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover (a JAX that moved it: operations lose their scopes)
+  _source_info = None
+
+
+def _source_of(eqn: Equation) -> Any:
+  """Binds in `eqn`'s name scope (`jax.named_scope`, flax's module paths: profiles and
+  compiled programs name operations by it) and its context (a mesh, metadata)."""
+  if _source_info is None:  # pragma: no cover
+    return eqn.ctx.manager
+  scope = _source_info.current_name_stack() + eqn.source_info.name_stack
+  stack = contextlib.ExitStack()
+  stack.enter_context(_source_info.user_context(eqn.source_info.traceback, name_stack=scope))
+  stack.enter_context(eqn.ctx.manager)
+  return stack
+
+
 @dataclasses.dataclass(frozen=True)
 class ValueType:
   """The type a value had when its program was traced.
@@ -321,7 +341,7 @@ class Operation:
     """Its results on `operands`, with `params` replacing its parameters of those names."""
     eqn = self.eqn
     bind_params = eqn.primitive.get_bind_params({**eqn.params, **params})
-    with eqn.ctx.manager:
+    with _source_of(eqn):
       out = eqn.primitive.bind(*operands, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -337,7 +357,7 @@ class Operation:
     params = self.eqn.params
     if self.name == "shard_map":
       body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))  # noqa: E731
-      with self.eqn.ctx.manager:
+      with _source_of(self.eqn):
         return list(jax.shard_map(
             body, mesh=params["mesh"], in_specs=params["in_specs"],
             out_specs=params["out_specs"], axis_names=set(params["newly_manual_axes"]),

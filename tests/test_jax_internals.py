@@ -264,3 +264,14 @@ def test_a_tracer_is_reverse_differentiable_where_its_differentiation_encloses_t
   assert seen == {"loss": True, "jit": True, "vmap": True, "scan": True, "shard_map": True,
                   "jvp": False, "custom_vjp": False}
   assert internals.reverse_differentiable_here(jnp.ones(2))  # no tracer
+
+
+def test_an_operation_bound_again_keeps_its_name_scope():
+  def f(x):
+    with jax.named_scope("layer_1"):
+      return jnp.tanh(x)
+
+  program, _ = internals.trace(f, [jnp.ones(2)])
+  text = jax.jit(lambda x: internals.evaluate(program, [x], as_traced)).lower(
+      jnp.ones(2)).as_text(debug_info=True)
+  assert "layer_1/tanh" in text
