@@ -10,6 +10,8 @@ from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import NoOpLossScale
+from jax_lossscale._loss_scale import loss_scale_dataclass
+from jax_lossscale._loss_scale import state_field
 from jax_lossscale._managers import ExponentialUpdateLossScaleManager
 from jax_lossscale._managers import FixedLossScaleManager
 from jax_lossscale._managers import LossScaleManager
@@ -25,6 +27,7 @@ from jax_lossscale._serialization import deserialize
 from jax_lossscale._serialization import get
 from jax_lossscale._serialization import serialize
 from jax_lossscale._transform import LossScalingState
+from jax_lossscale._transform import LossScalingTransformation
 from jax_lossscale._transform import loss_scaling
 from jax_lossscale._trees import select_tree
 from jax_lossscale._value_and_grad import scaled_value_and_grad
@@ -40,6 +43,7 @@ __all__ = (
     "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
+    "LossScalingTransformation",
     "MeasuredLossScale",
     "NoOpLossScale",
     "Policy",
@@ -51,6 +55,7 @@ __all__ = (
     "get",
     "get_policy",
     "if_applied",
+    "loss_scale_dataclass",
     "loss_scaling",
     "metrics",
     "precision_summary",
@@ -59,5 +64,6 @@ __all__ = (
     "scaled_value_and_grad",
     "select_tree",
     "serialize",
+    "state_field",
     "unscale",
 )

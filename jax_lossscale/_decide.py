@@ -68,7 +68,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
     raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
                     f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
   measured = None
-  if loss_scale._measures:  # pylint: disable=protected-access
+  if loss_scale.measures:
     measured = _finite.agree_max(_measured(largest, probes), axis_name)
   flags = [grads_finite]
   if loss is not None:

@@ -39,7 +39,11 @@ REGISTRY: dict[str, type[LossScale]] = {}
 
 
 def state_field() -> Any:
-  """A dataclass field holding array state (a pytree leaf); filled in `__post_init__`."""
+  """Declares a field of a `loss_scale_dataclass` as state: an array, a pytree leaf.
+
+  The field is keyword-only and defaults to None, for `__post_init__` to fill in with the
+  initial state; given, it is the state to start from (a restored checkpoint's).
+  """
   return dataclasses.field(default=None, kw_only=True, metadata={"state": True})
 
 
@@ -58,11 +62,13 @@ def set_fields(loss_scale: Any, checked: dict[str, Any], state: dict[str, tuple]
 
 
 def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
-  """Makes `cls` a frozen dataclass and a pytree (`_trees.register_dataclass`), known to
-  `deserialize` and to `jax.export` serialization.
+  """Makes the `LossScale` subclass `cls` a frozen dataclass and a pytree.
 
-  State fields (declared with `state_field()`) are the leaves; every other field is static
-  and lives in the tree definition.
+  Fields declared with `state_field()` are the leaves; every other field is static and
+  lives in the tree definition, read from the dataclass so that none can be forgotten.
+  Unflattening does not call the constructor (JAX puts tracers, None or sentinels in
+  the leaves). The class is also known to `deserialize` (by its name) and to
+  `jax.export` serialization.
   """
   cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
   cls._state_names = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("state"))
@@ -100,11 +106,64 @@ class LossScale(abc.ABC):
   `unscale` divides the gradients afterwards, and `update` decides from the unscaled
   gradients whether the step should be applied and what the next scale is. Loss scales
   are immutable: `update` returns a new one.
+
+  A loss scale of your own is a subclass decorated with `loss_scale_dataclass`: its
+  constructor arguments are fields (static, kept in the tree definition), its state
+  arrays fields declared with `state_field()` (the pytree's leaves, filled in by
+  `__post_init__` when not given). It implements:
+
+  * `__call__()`: the current scale, a float32 scalar array.
+  * `adjust(grads_finite, measured=None)`: the loss scale after a step.
+
+  and may override:
+
+  * `measures` (class attribute, default False): True to be given `measured`, the
+    largest magnitude of the step's scaled gradients (and of its probed activation
+    gradients); a measuring scale also adjusts on every applied micro-batch of an
+    `optax.MultiSteps`, where others adjust only when the optimizer steps.
+  * `should_apply(grads_finite)`: `update`'s verdict (default: always apply, TensorFlow's
+    rule for a fixed scale). `loss_scaling` skips non-finite steps whatever it says.
+  * `get_config()`: the constructor arguments (default: the static fields).
+
+  A `loss_scaling` step calls, in order: `get_config` (when traced: the state must come
+  from this transformation), `__call__` (the scale the gradients were computed with,
+  which it divides them by), then `adjust` once, with `grads_finite` a bool scalar
+  array and `measured` a float32 scalar array (None unless `measures`), both already
+  agreed across replicas (one `psum`, one `pmax`). Its result becomes the state's loss
+  scale after an overflow and after an applied step; after a step skipped for a
+  non-finite `loss=` or for non-finite updates of finite gradients, and after a
+  micro-batch only accumulated, the loss scale is kept as it was. So `adjust` must be
+  pure and traceable (it runs under `jit`, `vmap` and `lax.cond`: no Python branching on
+  array values, no host round trip, no collective, nothing that differs between devices,
+  so that replicas given the same agreed inputs keep the same state), and must return a
+  loss scale of the same class and configuration whose state arrays keep their shapes and
+  dtypes (`dataclasses.replace(self, ...)` with `jnp` values does). `update`, standalone,
+  calls `adjust` and `should_apply` the same way.
+
+  Example::
+
+    @jls.loss_scale_dataclass
+    class HalvingLossScale(jls.LossScale):
+      initial_loss_scale: float = 2.0**15
+      current: jax.Array = jls.state_field()
+
+      def __post_init__(self):
+        if self.current is None:
+          object.__setattr__(self, "current", np.float32(self.initial_loss_scale))
+
+      def __call__(self):
+        return jnp.asarray(self.current, jnp.float32)
+
+      def adjust(self, grads_finite, measured=None):
+        halved = jnp.maximum(self() / 2, 1.0)
+        return dataclasses.replace(self, current=jnp.where(grads_finite, self(), halved))
+
+  The guide's page "A loss scale of your own" trains one under `loss_scaling`.
   """
 
   _state_names: ClassVar[tuple[str, ...]] = ()
   _static_names: ClassVar[tuple[str, ...]] = ()
-  _measures: ClassVar[bool] = False  # whether `_next` uses the measured maximum
+  measures: ClassVar[bool] = False
 
   @abc.abstractmethod
   def __call__(self) -> jax.Array:
@@ -145,13 +204,21 @@ class LossScale(abc.ABC):
     largest = _finite.largest_magnitudes(grads)
     finite = _finite.agree([_finite.finite_after(largest)], axis_name)[0]
     measured = None
-    if self._measures:  # the scaled gradients' largest magnitude, as a step measures it
+    if self.measures:  # the scaled gradients' largest magnitude, as a step measures it
       measured = _finite.agree_max(_finite.largest_of(largest), axis_name) * self()
-    return self._next(finite, measured), self._applies(finite)
+    return self.adjust(finite, measured), self.should_apply(finite)
 
-  def _applies(self, finite: jax.Array) -> jax.Array:
-    """`update`'s `should_apply` (TensorFlow: a fixed scale always applies)."""
-    return jnp.ones_like(finite)
+  def should_apply(self, grads_finite: jax.Array) -> jax.Array:
+    """Whether `update` says to apply a step whose gradients were `grads_finite`.
+
+    Args:
+      grads_finite: bool scalar array.
+
+    Returns:
+      A bool scalar array; by default True (TensorFlow: a fixed scale always applies).
+      `loss_scaling` never applies non-finite gradients, whatever this returns.
+    """
+    return jnp.ones_like(grads_finite)
 
   def _scaling(self) -> _numerics.Rescale:
     return _numerics.Rescale((self(),))
@@ -160,9 +227,20 @@ class LossScale(abc.ABC):
     return _numerics.Rescale.reciprocal(self())
 
   @abc.abstractmethod
-  def _next(self: _T, finite: jax.Array, measured: Any = None) -> _T:
-    """The loss scale after a step whose gradients were `finite` (a boolean scalar);
-    `measured` is the largest gradient magnitude the step saw, if it was measured."""
+  def adjust(self: _T, grads_finite: jax.Array, measured: jax.Array | None = None) -> _T:
+    """Returns the loss scale after a step (pure, traceable; jmp's `adjust`).
+
+    Args:
+      grads_finite: bool scalar array: whether the step's gradients were finite once
+        unscaled (agreed across replicas inside `loss_scaling`).
+      measured: float32 scalar array, the largest magnitude of the step's scaled
+        gradients (and probed activation gradients), for a class whose `measures` is
+        True; else None.
+
+    Returns:
+      A loss scale of the same class and configuration, its state arrays of the same
+      shapes and dtypes.
+    """
 
   def get_config(self) -> dict[str, Any]:
     """The constructor arguments as a JSON-serialisable dict (the initial scale: the
@@ -214,7 +292,7 @@ class NoOpLossScale(LossScale):
   def _unscaling(self) -> _numerics.Rescale:
     return _numerics.Rescale()
 
-  def _next(self, finite: jax.Array, measured: Any = None) -> NoOpLossScale:
+  def adjust(self, grads_finite: jax.Array, measured: Any = None) -> NoOpLossScale:
     return self
 
 
@@ -244,7 +322,7 @@ class FixedLossScale(LossScale):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
 
-  def _next(self: _T, finite: jax.Array, measured: Any = None) -> _T:
+  def adjust(self: _T, grads_finite: jax.Array, measured: Any = None) -> _T:
     return self
 
 
@@ -315,15 +393,16 @@ class DynamicLossScale(LossScale):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def _applies(self, finite: jax.Array) -> jax.Array:
-    return finite
+  def should_apply(self, grads_finite: jax.Array) -> jax.Array:
+    return grads_finite
 
   def _times(self, scale: jax.Array, factor: float) -> jax.Array:
     if self.factor_precision == "float64":
       return _numerics.times_double(scale, factor)
     return _numerics.flush_subnormals(scale * np.float32(factor))
 
-  def _next(self, finite: jax.Array, measured: Any = None) -> DynamicLossScale:
+  def adjust(self, grads_finite: jax.Array, measured: Any = None) -> DynamicLossScale:
+    finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
     # Within this configuration's limits, also for a state restored unchecked (orbax).
     high = np.float32(np.inf if self.max_loss_scale is None else self.max_loss_scale)
     scale = jnp.clip(self(), np.float32(self.min_loss_scale), high)

@@ -43,10 +43,10 @@ class LossScaleManager(LossScale):
     Raises:
       ValueError: if `finite_grads` is not a boolean scalar.
     """
-    return self._next(_validation.flag("finite_grads", finite_grads))
+    return self.adjust(_validation.flag("finite_grads", finite_grads))
 
-  def _applies(self, finite: jax.Array) -> jax.Array:
-    return finite
+  def should_apply(self, grads_finite: jax.Array) -> jax.Array:
+    return grads_finite
 
 
 @loss_scale_dataclass
@@ -124,18 +124,20 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def _next(self, finite: jax.Array, measured: Any = None) -> ExponentialUpdateLossScaleManager:
+  def adjust(self, grads_finite: jax.Array,
+             measured: Any = None) -> ExponentialUpdateLossScaleManager:
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)
-    increase = finite & (good + 1 >= self.incr_every_n_steps)
-    decrease = ~finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
+    increase = grads_finite & (good + 1 >= self.incr_every_n_steps)
+    decrease = ~grads_finite & (bad + 1 >= self.decr_every_n_nan_or_inf)
     grown = _numerics.grow(scale, scale * np.float32(self.incr_ratio))
     shrunk = jnp.maximum(scale * np.float32(self.decr_ratio), np.float32(self.min_loss_scale))
     changed = increase | decrease
     return with_state(
         self,
         current_loss_scale=jnp.where(increase, grown, jnp.where(decrease, shrunk, scale)),
-        num_good_steps=jnp.where(finite & ~changed, good + 1, 0).astype(jnp.int32),
-        num_bad_steps=jnp.where(changed, 0, jnp.where(finite, bad, bad + 1)).astype(jnp.int32),
+        num_good_steps=jnp.where(grads_finite & ~changed, good + 1, 0).astype(jnp.int32),
+        num_bad_steps=jnp.where(changed, 0, jnp.where(grads_finite, bad, bad + 1)).astype(
+            jnp.int32),
     )

@@ -94,7 +94,7 @@ class MeasuredLossScale(LossScale):
   patience: jax.Array = state_field()
   strikes: jax.Array = state_field()
   proven: jax.Array = state_field()
-  _measures = True  # the step passes it what was measured
+  measures = True  # the step passes it what was measured
 
   def __post_init__(self):
     v = _validation
@@ -129,10 +129,10 @@ class MeasuredLossScale(LossScale):
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
-  def _applies(self, finite: jax.Array) -> jax.Array:
-    return finite
+  def should_apply(self, grads_finite: jax.Array) -> jax.Array:
+    return grads_finite
 
-  def _next(self, finite: jax.Array, measured: Any = None) -> MeasuredLossScale:
+  def adjust(self, grads_finite: jax.Array, measured: Any = None) -> MeasuredLossScale:
     scale = self()
     limit = np.float32(jnp.finfo(self.dtype).max)
     if measured is None:
@@ -140,7 +140,7 @@ class MeasuredLossScale(LossScale):
     # A non-finite measurement (a probed activation gradient that overflowed while the
     # parameter gradients stayed finite) is an overflow too.
     unscaled = jnp.asarray(measured, jnp.float32) / scale
-    overflow = ~(finite & jnp.isfinite(unscaled))
+    overflow = ~(grads_finite & jnp.isfinite(unscaled))
     unscaled = jnp.where(overflow, jnp.minimum(2 * limit / scale, _numerics.FLOAT32_MAX),
                          unscaled)  # finite: a checkpoint's `maxima` are checked finite
     maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)

@@ -414,8 +414,8 @@ def next_state(state: LossScalingState, decision: _decide.Decision, inner_state:
   # An overflow moves the scale at once, a finite step when the optimizer steps (every micro-
   # batch, for a measuring scale); a bad loss, or bad updates of finite gradients, do not.
   moved = (~decision.grads_finite & decision.loss_finite) | (
-      applied & (stepped | state.loss_scale._measures))  # pylint: disable=protected-access
-  candidate = state.loss_scale._next(decision.grads_finite, decision.measured)  # pylint: disable=protected-access
+      applied & (stepped | state.loss_scale.measures))
+  candidate = state.loss_scale.adjust(decision.grads_finite, decision.measured)
   loss_scale = _trees.select_tree(moved, candidate, state.loss_scale)
   skipped = ~applied
   increments = jnp.stack([skipped, skipped, loss_bad, updates_bad, loss_bad, updates_bad])

@@ -20,7 +20,7 @@ def scales(loss_scale, maxima):
   out = []
   for maximum in maxima:
     seen = 0.0 if maximum is None else maximum * float(loss_scale())
-    loss_scale = loss_scale._next(jnp.array(maximum is not None), jnp.float32(seen))
+    loss_scale = loss_scale.adjust(jnp.array(maximum is not None), jnp.float32(seen))
     out.append(float(loss_scale()))
   return out, loss_scale
 
@@ -108,7 +108,7 @@ def test_config_round_trips_and_state_survives_jit():
   assert loss_scale.dtype == "float16"
   again = jls.deserialize(json.loads(json.dumps(jls.serialize(loss_scale))))
   assert again == loss_scale
-  jitted = jax.jit(lambda ls: ls._next(jnp.array(True), jnp.float32(1.0)))(loss_scale)
+  jitted = jax.jit(lambda ls: ls.adjust(jnp.array(True), jnp.float32(1.0)))(loss_scale)
   assert jitted.maxima.shape == (5,) and jitted.history == 5
 
 
@@ -179,7 +179,7 @@ def test_a_gradient_nothing_measures_costs_skipped_steps_that_grow_with_the_log_
       overflow = float(loss_scale()) >= 2.0**14 and step < overflows_until
       skipped += [step] if overflow else []
       seen = 0.0 if overflow else float(loss_scale())  # an unscaled maximum of 1
-      loss_scale = loss_scale._next(jnp.array(not overflow), jnp.float32(seen))
+      loss_scale = loss_scale.adjust(jnp.array(not overflow), jnp.float32(seen))
     return skipped, float(loss_scale())
 
   assert run(200) == ([0, 1, 6, 15, 32, 65, 130], 2.0**13)
@@ -207,7 +207,7 @@ def test_nans_no_scale_avoids_do_not_drive_the_scale_down():
   for step in range(150):
     nan = step % 6 == 5 and step < 120
     seen = 0.0 if nan else float(loss_scale())  # an unscaled maximum of 1: 2**15 fits
-    loss_scale = loss_scale._next(jnp.array(not nan), jnp.float32(seen))
+    loss_scale = loss_scale.adjust(jnp.array(not nan), jnp.float32(seen))
     scales.append(float(loss_scale()))
   assert min(scales) == 2.0**14 and scales[120 + 4:] == [2.0**15] * (150 - 124)
 
@@ -233,7 +233,7 @@ def skipped_steps_with_an_unmeasured_overflow(loss_scale, steps=3000):
   def step(loss_scale, _):
     overflow = loss_scale() >= 2.0**10
     seen = jnp.where(overflow, 0.0, loss_scale())
-    return loss_scale._next(~overflow, seen), overflow
+    return loss_scale.adjust(~overflow, seen), overflow
 
   _, overflows = jax.lax.scan(step, loss_scale, None, length=steps)
   return np.flatnonzero(np.asarray(overflows)).tolist()
