@@ -125,7 +125,7 @@ class LossScale(abc.ABC):
     rule for a fixed scale). `loss_scaling` skips non-finite steps whatever it says.
   * `get_config()`: the constructor arguments (default: the static fields).
 
-  A `loss_scaling` step calls, in order: `get_config` (when traced: the state must come
+  A `loss_scaling` step calls, in order: `get_config` (in Python: the state must come
   from this transformation), `__call__` (the scale the gradients were computed with,
   which it divides them by), then `adjust` once, with `grads_finite` a bool scalar
   array and `measured` a float32 scalar array (None unless `measures`), both already
