@@ -2,6 +2,7 @@
 docs/custom-loss-scale.md (its first block, run here, so the page and the tests share one
 source) under `loss_scaling`, `jit`, `vmap`, an orbax checkpoint and agreeing replicas."""
 
+import dataclasses
 import pathlib
 
 import chex
@@ -186,3 +187,42 @@ def test_under_a_named_vmap_every_replica_skips_the_same_steps_and_keeps_one_sca
   assert states.skipped_steps.tolist() == [1] * 4
   assert states.loss_scale.warmup_left.tolist() == [0] * 4
   chex.assert_trees_all_equal(params["w"], jnp.full((4, 2), -0.2))
+
+
+# --- A loss scale that measures ------------------------------------------------------
+
+
+@jls.loss_scale_dataclass
+class RecordingLossScale(jls.LossScale):
+  """A fixed scale of 4 that keeps what the step measured (`measures = True`)."""
+
+  measures = True
+  measured: jax.Array = jls.state_field()
+
+  def __post_init__(self):
+    if self.measured is None:
+      object.__setattr__(self, "measured", np.float32(0))
+
+  def __call__(self) -> jax.Array:
+    return jnp.float32(4.0)
+
+  def adjust(self, grads_finite, measured=None):
+    return dataclasses.replace(self, measured=measured)
+
+
+def test_a_measuring_loss_scale_is_given_the_largest_scaled_gradient_magnitude(maybe_jit):
+  tx = jls.loss_scaling(optax.sgd(0.1), RecordingLossScale())
+  params = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+  grads = {"w": jnp.array([1.0, -6.0]), "b": jnp.array(2.0)}
+  _, opt_state = maybe_jit(tx.apply_gradients)(grads, tx.init(params), params)
+  assert float(opt_state.loss_scale.measured) == 6.0
+
+
+def test_replicas_give_a_measuring_loss_scale_the_largest_of_their_measurements():
+  tx = jls.loss_scaling(optax.sgd(0.1), RecordingLossScale())
+  params = {"w": jnp.zeros((4, 2))}
+  grads = {"w": jnp.array([[1.0, 0.0], [0.0, -3.0], [2.0, 2.0], [0.5, 0.5]])}
+  states = jax.vmap(tx.init)(params)
+  _, states = jax.jit(jax.vmap(tx.apply_gradients, axis_name="replicas"))(
+      grads, states, params)
+  assert states.loss_scale.measured.tolist() == [3.0] * 4
