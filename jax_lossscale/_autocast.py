@@ -107,7 +107,10 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
   `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
   flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
   A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
-  differentiation, its rule replaces its autocast function.
+  differentiation, its rule replaces its autocast function. The operations that
+  differentiation adds run at the precision of what they differentiate (a matmul's in
+  `compute_dtype`); `autocast(jax.value_and_grad(loss))` chooses theirs too (their sums
+  in float32).
 
   Args:
     fun: the function; its array arguments (also inside pytrees, flax NNX modules and
@@ -176,6 +179,8 @@ class _Interpreter:
     name = op.name
     if name == "convert_element_type":
       return op.bind(operands)
+    if name in AS_TRACED:  # a scatter's or reduction's combiner is a program, typed as traced
+      return op.bind(_as_traced(op, operands))
     if op.holds_programs:
       if op.rewritable:
         outs = op.bind_rewritten(_as_traced(op, operands), self.run_program)
@@ -184,8 +189,6 @@ class _Interpreter:
       return self._unknown(op, operands)
     if name in FOREIGN:
       return self._unknown(op, operands)
-    if name in AS_TRACED:
-      return op.bind(_as_traced(op, operands))
     if name in MATMUL:
       return self._matmul(op, operands)
     if name in FLOAT32:

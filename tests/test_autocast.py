@@ -119,6 +119,23 @@ def test_integers_booleans_and_non_array_arguments_pass_through():
   np.testing.assert_array_equal(ids, jnp.arange(1, 4))
 
 
+def test_a_scatter_written_by_hand_runs_as_traced_without_a_warning():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = jls.autocast(lambda w, x: jnp.zeros(8).at[jnp.arange(4)].add((x @ w)[0]))(W, X)
+  np.testing.assert_allclose(out[:4], (X @ W)[0], rtol=1e-2, atol=1e-3)
+  assert out.dtype == F32
+
+
+def test_autocast_of_a_gradient_runs_the_derivatives_sums_in_float32_too():
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) * 2.0)  # noqa: E731
+  ran = forward_dtypes(jls.autocast(jax.value_and_grad(loss)), W, X)
+  assert ran["dot_general"] == {F16} and ran["reduce_sum"] == {F32}
+  value, grads = jls.autocast(jax.value_and_grad(loss))(W, X)
+  assert grads.dtype == F32
+  np.testing.assert_allclose(grads, jax.grad(loss)(W, X), rtol=2e-2, atol=2e-2)
+
+
 def test_an_embedding_lookup_reads_the_float32_table_and_accumulates_its_gradient_in_float32():
   table = jax.random.normal(KEYS[3], (50, 4))
   loss = jls.autocast(lambda table, w, ids: jnp.sum((table[ids] @ w) ** 2))
