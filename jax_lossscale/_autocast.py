@@ -92,13 +92,14 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
 
   For float16 training, together with loss scaling::
 
-    loss_fn = jls.autocast(loss_fn)  # a float32 model, its matmuls in float16
-    loss, grads = jls.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    grad_fn = jls.scaled_value_and_grad(jls.autocast(loss_fn))  # matmuls in float16
+    loss, grads = grad_fn(opt_state, params, batch)  # opt_state of jls.loss_scaling(...)
 
-  Each primitive of `fun`'s program runs at the precision the module docstring lists
-  for it (matmuls in `compute_dtype`, `exp`, `log`, sums and the like in float32, the
-  rest at the widest dtype of its operands). Outputs have the dtypes `fun`'s would
-  have; gradients with respect to float32 inputs are float32. Works under and around
+  Each primitive of `fun`'s program runs at the precision chosen for it (`MATMUL` in
+  `compute_dtype`; `FLOAT32`, such as `exp`, `log`, squares, `rsqrt` and sums, in
+  float32; the rest at the widest dtype of its operands; explicit casts as written).
+  Outputs have the dtypes `fun`'s would have; gradients with respect to float32 inputs
+  are float32. Works under and around
   `jit`, `grad`, `vmap`, loops, `cond`, `checkpoint`, custom derivatives and
   `shard_map`; `precision_summary` shows what ran where.
 
