@@ -99,9 +99,9 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
   `compute_dtype`; `FLOAT32`, such as `exp`, `log`, squares, `rsqrt` and sums, in
   float32; the rest at the widest dtype of its operands; explicit casts as written).
   Outputs have the dtypes `fun`'s would have; gradients with respect to float32 inputs
-  are float32. Works under and around
-  `jit`, `grad`, `vmap`, loops, `cond`, `checkpoint`, custom derivatives and
-  `shard_map`; `precision_summary` shows what ran where.
+  are float32. Works under and around `jit`, `grad`, `vmap`, loops, `cond`,
+  `checkpoint`, custom derivatives and `shard_map`; `precision_summary` shows what ran
+  where.
 
   `fun` is traced on every call, as `jax.jit` traces it (Python control flow on array
   values is not possible), then run operation by operation: call the result under
