@@ -159,6 +159,9 @@ def loss_scaling(
   scale, runs `inner` on the unscaled gradients (the division happens inside `inner`'s
   own pass) and updates the loss scale.
   `apply_gradients(grads, state, params)` also applies the updates, in one pass.
+  Called outside `jit`, both run as one program compiled once per signature of their
+  arguments (non-array leaves are static, as under `jit`): an eager loop compiles
+  nothing after its first step.
 
   A step is skipped when the unscaled gradients are not finite (whatever the loss
   scale: even with a `FixedLossScale` no NaN ever reaches the parameters), when `loss=`

@@ -69,7 +69,11 @@ def scaled_value_and_grad(
       is probed automatically, and `jax_lossscale.diagnostics.probe(x, name)` marks any
       other point. Each probe measures its activation and, in the backward pass, its
       gradient (largest magnitude, finite or not, zero and float16-subnormal
-      fractions), reading each once, with no host callback.
+      fractions), reading each once, with no host callback. Called outside `jit`, the
+      probed function runs as one program compiled once per signature of its
+      arguments (their structure, shapes and dtypes; arguments that are not arrays
+      are static, as under `jit`), so an eager loop compiles nothing after its first
+      step; the loss's Python code then runs when it is traced, not on every call.
 
   Returns:
     A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
