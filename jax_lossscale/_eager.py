@@ -15,12 +15,13 @@ from typing import Any
 
 import jax
 
+from jax_lossscale import _jax_internals
 from jax_lossscale import _trees
 
 
 def traced(tree: Any) -> bool:
   """Whether a leaf of `tree` is a tracer: called inside a transformation."""
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+  return any(_jax_internals.is_tracer(x) for x in jax.tree.leaves(tree))
 
 
 class CompiledBySignature:

@@ -22,6 +22,9 @@ What is read, and why:
   body with its loop-invariant operands and direction (scan's parameters changed in
   jax 0.11: `num_consts` became the first part of `ft_in`), and literal operands; the
   probes read them to find the loop a probe's row index comes from.
+- `is_tracer`, `user_context`: whether a value is traced (`jax.core.Tracer`), and a
+  context value that is part of `jit`'s cache key (`jax.make_user_context`), which the
+  probes' two passes set.
 - `trace`, `evaluate`, `Operation`, `output_types`, `operations_ran`: a program re-run
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
@@ -43,9 +46,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as _partial_eval  # tracing for exact types
 from jax.extend import core as _core
 from jax.extend import linear_util as _linear_util
+
+try:  # Tracing a function for exact input types (a shard_map body's varying axes).
+  from jax._src.interpreters import partial_eval as _partial_eval
+except ImportError:  # pragma: no cover (a JAX that moved it: sub-programs run as traced)
+  _partial_eval = None
 
 try:  # The named axes in scope, `vmap`'s included: only private.
   from jax._src.core import unsafe_get_axis_names as _unsafe_get_axis_names
@@ -96,7 +103,7 @@ def reverse_differentiable_here(value: Any) -> bool:
   `jax.jacfwd`) runs inside its own: a `custom_vjp` has no forward-mode rule. True for a
   value that is no tracer, and where JAX does not tell.
   """
-  if _current_trace is None or not isinstance(value, jax.core.Tracer):
+  if _current_trace is None or not is_tracer(value):
     return True
   owner = getattr(value, "_trace", None)
   tag = getattr(owner, "tag", None)  # a differentiation's traces share its tag (shard_map's)
@@ -105,6 +112,17 @@ def reverse_differentiable_here(value: Any) -> bool:
             if trace is owner or (tag is not None and getattr(trace, "tag", None) is tag)]
   return bool(depths) and not any(
       isinstance(inner, _ForwardTrace) for inner in stack[depths[-1] + 1:])
+
+
+def is_tracer(value: Any) -> bool:
+  """Whether `value` is being traced (under `jit`, `grad`, `vmap`, ...), not concrete."""
+  return isinstance(value, jax.core.Tracer)
+
+
+def user_context(default: Any) -> Any:
+  """A context variable that is part of `jit`'s cache key (`jax.make_user_context`):
+  set with `with context(value):`, read as `context.value`."""
+  return jax.make_user_context(default)
 
 
 # Traced programs.
@@ -376,7 +394,10 @@ class Operation:
 def _retrace(program: Program, interpret: Callable[[Program, list], list]) -> Program | None:
   """`program` traced again from `interpret(program, args)`, for the same input types
   (a loop body inside `shard_map` keeps its varying axes); None if it needs constants
-  that the kind of `program` cannot hold (an open program)."""
+  that the kind of `program` cannot hold (an open program), or where JAX no longer offers
+  the tracing."""
+  if _partial_eval is None:  # pragma: no cover
+    return None
   jaxpr = jaxpr_of(program)
   fun = _linear_util.wrap_init(lambda *args: interpret(program, list(args)),
                                debug_info=jaxpr.debug_info)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 from jax_lossscale import _trees
 from jax_lossscale import _validation
@@ -90,7 +91,7 @@ def with_state(loss_scale: _T, **state: Any) -> _T:
 
 
 def _format(value: Any) -> str:
-  if isinstance(value, jax.core.Tracer):
+  if _jax_internals.is_tracer(value):
     return str(value.aval)
   if _trees.is_array(value):
     value = np.asarray(value)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 from jax import lax
 
@@ -21,7 +20,7 @@ MARK = 1 << 30  # a hit's marker: MARK + its number
 
 def marked(x: Any, hit: int, index: Any) -> Any:
   """`x`, marked in the program as hit number `hit` (with its traced row index)."""
-  traced = isinstance(index, jax.core.Tracer)
+  traced = _jax.is_tracer(index)
   return lax.optimization_barrier((x, np.int32(MARK + hit), *([index] if traced else [])))[0]
 
 

@@ -74,7 +74,7 @@ class Probes(Mapping):
 
 
 # Part of jit's cache key: a jit inside the loss is traced again for measuring.
-_SESSION = jax.make_user_context(None)
+_SESSION = _jax_internals.user_context(None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

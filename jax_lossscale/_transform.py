@@ -19,6 +19,7 @@ from jax_lossscale import _decide
 from jax_lossscale import _eager
 from jax_lossscale import _emit
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _serialization
 from jax_lossscale import _step_args
 from jax_lossscale import _trees
@@ -376,7 +377,7 @@ def _traced_once(run, static, inputs):
   the call): tracing an optimizer over a thousand leaves costs as much as compiling
   hundreds of them."""
   arrays = _trees.arrays_of(run, static)
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
+  if any(_jax_internals.is_tracer(x) for x in jax.tree.leaves(inputs)):
     arrays = jax.jit(arrays)
   return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
 

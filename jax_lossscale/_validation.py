@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _jax_internals
 from jax_lossscale._numerics import FLOAT32_MAX
 from jax_lossscale._numerics import FLOAT32_TINY
 from jax_lossscale._numerics import INT32_MAX
@@ -50,7 +51,7 @@ def renamed(**names: str):
 
 def python_number(value: Any) -> int | float | None:
   """A Python int/float from any concrete real scalar (not a bool); `None` otherwise."""
-  if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
+  if isinstance(value, (bool, np.bool_)) or _jax_internals.is_tracer(value):
     return None
   if isinstance(value, (np.ndarray, np.generic, jax.Array)):
     if value.ndim != 0 or not (np.issubdtype(value.dtype, np.integer)
@@ -65,7 +66,7 @@ def python_number(value: Any) -> int | float | None:
 
 
 def _number(name: str, value: Any, kind: str) -> int | float:
-  if isinstance(value, jax.core.Tracer):
+  if _jax_internals.is_tracer(value):
     raise ValueError(
         f"`{name}` must be a concrete {kind}, not a traced value: it is a hyperparameter, "
         f"fixed when the object is built (got {value.aval.str_short()}).")
@@ -198,7 +199,7 @@ def flag(name: str, value: Any) -> jax.Array:
 
 def concrete_values(value: Any) -> np.ndarray | None:
   """`value` as a NumPy array, or `None` if it is traced (or otherwise abstract)."""
-  if isinstance(value, jax.core.Tracer) or not isinstance(
+  if _jax_internals.is_tracer(value) or not isinstance(
       value, (jax.Array, np.ndarray, np.generic, numbers.Number)):
     return None
   return np.asarray(value)
@@ -213,7 +214,7 @@ def state_values(name: str, value: Any, dtype, low: float, high: float,
   state must hold whole numbers; booleans, strings and lists are refused. Returns
   `value` in `dtype`.
   """
-  if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+  if _jax_internals.is_tracer(value) or isinstance(value, jax.ShapeDtypeStruct):
     return value
   values = concrete_values(value)
   if values is None or not (jnp.issubdtype(values.dtype, jnp.integer)
@@ -298,7 +299,7 @@ def probe_args(x: Any, name: Any, index: Any, length: Any) -> None:
                      "the row of this hit and the number of rows.")
   if length is not None and (type(length) is not int or length <= 0):
     raise ValueError(f"probe {name!r}: length={length!r} must be a positive int.")
-  concrete = None if index is None or isinstance(index, jax.core.Tracer) else np.asarray(index)
+  concrete = None if index is None or _jax_internals.is_tracer(index) else np.asarray(index)
   if concrete is not None and not (concrete.ndim == 0 and np.issubdtype(
       concrete.dtype, np.integer) and 0 <= concrete < length):
     raise ValueError(f"probe {name!r}: index={index!r} must be an int in [0, length={length}).")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _probes
@@ -126,7 +127,7 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
   dtype = _policy.as_dtype(dtype, "dtype")
   if isinstance(loss_scale, LossScale):
     loss_scale = loss_scale()  # its current scale
-  elif not isinstance(loss_scale, jax.core.Tracer):
+  elif not _jax_internals.is_tracer(loss_scale):
     _validation.scale("loss_scale", loss_scale)
   return _gradient_stats(_trees.float_leaves(grads), dtype, loss_scale)
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _trees
 from jax_lossscale._policy import DTYPE_NAMES as dtype_to_names
 from jax_lossscale._policy import Policy
@@ -147,7 +148,7 @@ def _register_static_scale(cls):
   """`cls`'s concrete `loss_scale` is static data (no leaves, as in jmp, so the object
   passes into a jitted function); a traced one is its one leaf."""
   def flatten(obj):
-    if isinstance(obj.loss_scale, jax.core.Tracer):
+    if _jax_internals.is_tracer(obj.loss_scale):
       return (obj.loss_scale,), None
     return (), _StaticValue(obj.loss_scale)
 
@@ -247,7 +248,7 @@ class DynamicLossScale:
   def __post_init__(self):
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-    if isinstance(self.min_loss_scale, jax.core.Tracer):
+    if _jax_internals.is_tracer(self.min_loss_scale):
       raise ValueError(
           "`min_loss_scale` must be a concrete number (it is static, like `period` and "
           f"`factor`), got a traced value {self.min_loss_scale.aval}.")

@@ -275,3 +275,18 @@ def test_an_operation_bound_again_keeps_its_name_scope():
   text = jax.jit(lambda x: internals.evaluate(program, [x], as_traced)).lower(
       jnp.ones(2)).as_text(debug_info=True)
   assert "layer_1/tanh" in text
+
+
+def test_a_traced_value_is_told_from_a_concrete_one():
+  seen = []
+  jax.jit(lambda x: seen.append(internals.is_tracer(x)) or x)(1.0)
+  assert seen == [True] and not internals.is_tracer(jnp.ones(2)) and not internals.is_tracer(1.0)
+
+
+def test_a_user_context_value_is_part_of_jits_cache_key():
+  context, traces = internals.user_context(None), []
+  f = jax.jit(lambda x: traces.append(context.value) or x)
+  for value in ("a", "a", "b"):
+    with context(value):
+      f(1.0)
+  assert traces == ["a", "b"] and context.value is None
