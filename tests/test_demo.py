@@ -92,7 +92,7 @@ def test_each_kind_of_run_has_one_colour_and_line_style_in_every_plot_of_both_de
            *(name for name, *_ in transformer.plan())]
   looks = {name: tuple(sorted(demo.run_style(name).items())) for name in names}
   assert looks["float16, MeasuredLossScale()"] == looks["float16, MeasuredLossScale(margin=1)"]
-  assert len(set(looks.values())) == 5, looks
+  assert len(set(looks.values())) == 6, looks
   with pytest.raises(ValueError, match="RUN_STYLES"):
     demo.run_style("bfloat16, a run no plot knows")
 

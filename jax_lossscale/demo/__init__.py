@@ -21,6 +21,7 @@ RUN_STYLES = {
     "no loss scaling": {"color": "tab:red", "linestyle": ":"},
     "FixedLossScale": {"color": "tab:green", "linestyle": "-."},
     "DynamicLossScale": {"color": "tab:orange", "linestyle": "--"},
+    "autocast": {"color": "tab:cyan", "linestyle": "--"},
     "MeasuredLossScale": {"color": "tab:blue", "linestyle": "-"},
 }
 

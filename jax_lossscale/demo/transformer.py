@@ -4,8 +4,10 @@
 model (ALiBi, pre-layer-norm blocks run by `nnx.scan`), float32 master weights, trained on
 Python's bundled documentation in float32, in float16 without loss scaling, with
 `DynamicLossScale(increment_period=10)` (it grows, overflows, skips, as in the MLP demo)
-and `MeasuredLossScale(margin=1)` (set from probes at every module). Prints the last run's
-per-layer table and the losses over seeds, plots each layer's headroom (`demo` extra).
+and `MeasuredLossScale(margin=1)` (set from probes at every module); and once more with
+`MeasuredLossScale(margin=1)`, the model built with no dtype arguments (float32) and its loss
+run by `jls.autocast` (matmuls in float16). Prints the hand-cast measured run's per-layer
+table and the losses over seeds, plots each layer's headroom (`demo` extra).
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ from jax_lossscale.demo.text import Text
 
 FLOAT32 = jls.get_policy("p=f32,c=f32,o=f32")
 FLOAT16 = jls.get_policy("p=f32,c=f16,o=f32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+  """A model built with flax's defaults (float32, no dtype arguments), its loss run by
+  `jls.autocast` with matmuls in `compute_dtype`: in place of a `jls.Policy`."""
+
+  compute_dtype: np.dtype = np.dtype(jnp.float16)
+
+
+AUTOCAST = Autocast()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +65,11 @@ def alibi(heads: int, length: int) -> jax.Array:
   return jnp.where(distance >= 0, -slopes[:, None, None] * distance, -jnp.inf)
 
 
-def _constructors(policy: jls.Policy, rngs: nnx.Rngs):
-  """`nnx.Linear`, `nnx.LayerNorm` and `nnx.Embed`, in `policy`'s dtypes."""
-  dtypes = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype, "rngs": rngs}
+def _constructors(policy: jls.Policy | Autocast, rngs: nnx.Rngs):
+  """`nnx.Linear`, `nnx.LayerNorm` and `nnx.Embed`, in `policy`'s dtypes (flax's defaults
+  for `Autocast`)."""
+  dtypes = ({"rngs": rngs} if isinstance(policy, Autocast) else
+            {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype, "rngs": rngs})
   return (functools.partial(module, **dtypes) for module in (nnx.Linear, nnx.LayerNorm, nnx.Embed))
 
 
@@ -77,7 +92,7 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
   """A pre-layer-norm transformer block: attention, then a GELU MLP, each residual."""
 
-  def __init__(self, config: Config, policy: jls.Policy, rngs: nnx.Rngs):
+  def __init__(self, config: Config, policy: jls.Policy | Autocast, rngs: nnx.Rngs):
     dense, norm, _ = _constructors(policy, rngs)
     self.norm_1, self.norm_2 = norm(config.width), norm(config.width)
     self.attention = Attention(config, dense)
@@ -92,7 +107,8 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
   """Token embedding, `layers` stacked blocks, a final norm and the vocabulary head."""
 
-  def __init__(self, config: Config, vocab: int, policy: jls.Policy, rngs: nnx.Rngs):
+  def __init__(self, config: Config, vocab: int, policy: jls.Policy | Autocast,
+               rngs: nnx.Rngs):
     self.policy = policy
     dense, norm, embed = _constructors(policy, rngs)
     self.embed = embed(vocab, config.width)
@@ -110,7 +126,8 @@ class TransformerLM(nnx.Module):
     def run(h, block):
       return block(h)
 
-    return self.policy.cast_to_output(self.head(self.norm(run(self.embed(tokens), self.blocks))))
+    logits = self.head(self.norm(run(self.embed(tokens), self.blocks)))
+    return logits if isinstance(self.policy, Autocast) else self.policy.cast_to_output(logits)
 
 
 def loss_fn(model: TransformerLM, tokens: jax.Array) -> jax.Array:
@@ -119,7 +136,7 @@ def loss_fn(model: TransformerLM, tokens: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def init(config: Config, vocab: int, policy: jls.Policy, loss_scale: jls.LossScale,
+def init(config: Config, vocab: int, policy: jls.Policy | Autocast, loss_scale: jls.LossScale,
          seed: int) -> tuple[nnx.GraphDef, nnx.State]:
   """`nnx.split((model, optimizer))`: Adam (clipped at norm 1) inside `loss_scaling`."""
   model = TransformerLM(config, vocab, policy, nnx.Rngs(seed))
@@ -128,12 +145,13 @@ def init(config: Config, vocab: int, policy: jls.Policy, loss_scale: jls.LossSca
   return nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
 
 
-def make_step(graphdef: nnx.GraphDef, probes: bool):
+def make_step(graphdef: nnx.GraphDef, probes: bool, compute_dtype=None):
   """The jitted step `(state, tokens) -> (state, logs)`, donating the state. `logs`: the
   loss, the scale used, the largest parameter gradient (unscaled), `jls.metrics` after the
-  update and, with `probes`, the backward pass's measurements (the loss scale gets them)."""
-  grad_fn = jls.scaled_value_and_grad(loss_fn, value_and_grad=nnx.value_and_grad,
-                                      probes=probes)
+  update and, with `probes`, the backward pass's measurements (the loss scale gets them).
+  With `compute_dtype`, the loss runs under `jls.autocast(loss_fn, compute_dtype)`."""
+  loss = loss_fn if compute_dtype is None else jls.autocast(loss_fn, compute_dtype)
+  grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=nnx.value_and_grad, probes=probes)
 
   def step(state, tokens):
     model, optimizer = nnx.merge(graphdef, state)
@@ -169,16 +187,17 @@ class RunResult:
     return float(self.logs["loss_scale"][-1])
 
 
-def train(name: str, data: Text, config: Config, policy: jls.Policy,
+def train(name: str, data: Text, config: Config, policy: jls.Policy | Autocast,
           loss_scale: jls.LossScale, seed: int, progress: bool = True) -> RunResult:
   """Trains from the seed's initial weights and data order, shared by every run."""
   graphdef, state = init(config, data.vocab, policy, loss_scale, seed)
-  step = make_step(graphdef, probes=isinstance(loss_scale, jls.MeasuredLossScale))
+  step = make_step(graphdef, probes=isinstance(loss_scale, jls.MeasuredLossScale),
+                   compute_dtype=policy.compute_dtype if isinstance(policy, Autocast) else None)
   starts = data.train_starts(seed, config.steps, config.batch, config.context + 1)
   steps = range(config.steps)
   if progress:
     from tqdm.auto import tqdm
-    steps = tqdm(steps, desc=f"{name:>46s} (seed {seed})", unit="step", leave=True)
+    steps = tqdm(steps, desc=f"{name:>48s} (seed {seed})", unit="step", leave=True)
   history = []
   for i in steps:
     state, logs = step(state, data.windows(starts[i], config.context + 1))
@@ -209,7 +228,8 @@ def _eval_metrics(model: TransformerLM, tokens: jax.Array, dtype, scale: jax.Arr
   return loss(logits), stats["underflow_fraction"], stats["subnormal_fraction"]
 
 
-def evaluate(run: RunResult, data: Text, config: Config, policy: jls.Policy) -> RunResult:
+def evaluate(run: RunResult, data: Text, config: Config,
+             policy: jls.Policy | Autocast) -> RunResult:
   """Held-out loss (float32 compute), and the fractions of d(mean loss)/d(logits) =
   (softmax - onehot) / tokens, where the backward pass enters the float16 model, that
   underflow to zero and that are subnormal at the run's final scale (`gradient_stats`)."""
@@ -238,18 +258,20 @@ def layer_rows(model: TransformerLM, tokens: jax.Array, scale: float) -> list[tu
                   float(np.mean((g > 0) & (g < 2**-14))), float(np.mean(g == 0)))]
 
 
-def plan() -> list[tuple[str, jls.Policy, jls.LossScale]]:
-  """The four runs of each seed: name, precision policy, loss scale."""
+def plan() -> list[tuple[str, jls.Policy | Autocast, jls.LossScale]]:
+  """The five runs of each seed: name, precision (policy, or autocast), loss scale."""
   return [("float32", FLOAT32, jls.NoOpLossScale()),
           ("float16, no loss scaling", FLOAT16, jls.NoOpLossScale()),
           ("float16, DynamicLossScale(increment_period=10)", FLOAT16,
            jls.DynamicLossScale(increment_period=10)),
           # margin=1: with none, a gradient above the last 16 steps' skips (1-2 in 100 here).
-          ("float16, MeasuredLossScale(margin=1)", FLOAT16, jls.MeasuredLossScale(margin=1))]
+          ("float16, MeasuredLossScale(margin=1)", FLOAT16, jls.MeasuredLossScale(margin=1)),
+          ("float16, autocast + MeasuredLossScale(margin=1)", AUTOCAST,
+           jls.MeasuredLossScale(margin=1))]
 
 
 def run_all(config: Config, progress: bool = True) -> list[list[RunResult]]:
-  """Every seed's four runs, evaluated: `runs[seed][run]`."""
+  """Every seed's five runs, evaluated: `runs[seed][run]`."""
   data = Text.load()
   return [[evaluate(train(name, data, config, policy, ls, seed, progress), data, config, policy)
            for name, policy, ls in plan()] for seed in config.seeds]
@@ -281,28 +303,33 @@ def format_layers(at_one: Sequence[tuple], at_scale: Sequence[tuple], scale: flo
 def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
   """Per run, over the seeds: held-out loss and its gap to float32 (mean ± half the
   range), skipped steps and final scale (per seed), the logits' gradient underflowing and
-  subnormal (mean); then the held-out loss of MeasuredLossScale against DynamicLossScale."""
+  subnormal (mean); then the held-out loss of MeasuredLossScale against DynamicLossScale,
+  and of the autocast model against the hand-cast one (both with MeasuredLossScale)."""
   columns = list(zip(*runs, strict=True))
   reference = np.array([r.eval_loss for r in columns[0]])
-  header = (f"{'run':<46s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
+  header = (f"{'run':<48s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
             f"{'final scale':>13s} {'logit grads underflow / subnormal':>33s}")
   lines = [header, "-" * len(header)]
   for seeds in columns:
     loss = np.array([r.eval_loss for r in seeds])
-    lines.append(f"{seeds[0].name:<46s} {_spread(loss, '.4f'):>15s} "
+    lines.append(f"{seeds[0].name:<48s} {_spread(loss, '.4f'):>15s} "
                  f"{_spread(100 * (loss / reference - 1), '+.2f') + '%':>15s} "
                  f"{'/'.join(str(r.skipped) for r in seeds):>7s} "
                  f"{'/'.join(_power_of_two(r.final_scale) for r in seeds):>13s} "
                  f"{100 * np.mean([r.underflow for r in seeds]):22.2f}% / "
                  f"{100 * np.mean([r.subnormal for r in seeds]):5.1f}%")
-  gap = [100 * (m.eval_loss / d.eval_loss - 1) for d, m in zip(*columns[2:], strict=True)]
-  lines.append(f"\nMeasuredLossScale vs DynamicLossScale, held-out loss: {_spread(gap, '+.2f')}%")
+  gaps = {"MeasuredLossScale vs DynamicLossScale": (columns[2], columns[3]),
+          "autocast vs hand-cast float16 (MeasuredLossScale)": (columns[3], columns[4])}
+  lines.append("")
+  for name, (base, other) in gaps.items():
+    gap = [100 * (o.eval_loss / b.eval_loss - 1) for b, o in zip(base, other, strict=True)]
+    lines.append(f"{name}, held-out loss: {_spread(gap, '+.2f')}%")
   return "\n".join(lines)
 
 
 def plot(runs: Sequence[RunResult], path: str) -> None:
   """The training loss of every run; and each layer's headroom at scale 1 over training
-  (from the last probed run's probes) and the parameter gradients', with log2 of every
+  (from the hand-cast probed run's probes) and the parameter gradients', with log2 of every
   run's loss scale above 1 (a scale above a layer's line overflows there). The runs'
   legend sits below both panels, the layers' beside the second."""
   import matplotlib
@@ -311,7 +338,7 @@ def plot(runs: Sequence[RunResult], path: str) -> None:
   for r in runs:
     ax_loss.plot(r.logs["loss"], label=r.name, lw=1.2, **demo.run_style(r.name))
   ax_loss.set(xlabel="step", ylabel="training loss (nats)", title="Loss curves")
-  probed = [r for r in runs if "probes" in r.logs][-1]
+  probed = [r for r in runs if "probes" in r.logs][0]
   layers = jls.diagnostics.layers(probed.logs["probes"])
   # Layers in shades of grey, darker deeper in the model: no run's colour.
   shades = matplotlib.colormaps["Greys"](np.linspace(0.3, 0.9, len(layers)))
@@ -340,13 +367,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(f"--{flag}", type=int, default=getattr(d, flag))
   parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
   parser.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds),
-                      help="one set of four runs per seed; losses are reported over seeds")
+                      help="one set of five runs per seed; losses are reported over seeds")
   parser.add_argument("--out", default="transformer_demo.png", help="where to write the plot")
   a = parser.parse_args(argv)
   config = Config(a.steps, a.batch, a.context, a.width, layers=a.layers,
                   learning_rate=a.learning_rate, seeds=tuple(a.seeds))
   start, data, runs = time.perf_counter(), Text.load(), run_all(config)
-  run = runs[0][-1]
+  run = runs[0][3]  # float16, MeasuredLossScale(margin=1): the hand-cast model
   model = with_params(run.params, config, data.vocab, FLOAT16)
   scale, tokens = run.final_scale, held_out(data, config, run.seed)
   print(f"\nPer layer, the trained model of {run.name} (seed {run.seed}), one float16 "
