@@ -149,7 +149,7 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
 def _nnx_modules(tree: Any) -> list:
   """The flax NNX modules in `tree`."""
   nnx = sys.modules.get("flax.nnx")
-  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)  # noqa: E731
+  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
   return [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_module) if is_module(leaf)]
 
 
@@ -334,7 +334,7 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   try:
     program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
     cotangents = range(len(wrt), len(wrt) + len(shapes))
-  except Exception:  # noqa: BLE001 (not reverse-differentiable: a while loop)
+  except Exception:  # not reverse-differentiable: a while loop
     program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
     cotangents = range(0)
   counts = collections.Counter((ran.name, ran.dtype.name, ran.backward)

@@ -54,7 +54,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
   """Checks the scaled gradients and the loss once, agreed across devices; with `norm`,
   also takes the unscaled gradients' global norm (free when clipping: the clip's own),
   the largest of the devices' (one `pmax`), so replicas keep one state."""
-  unscaling = loss_scale._unscaling()  # pylint: disable=protected-access
+  unscaling = loss_scale._unscaling()
   largest = _finite.largest_magnitudes(grads)
   grad_norm = None
   if max_norm is None:

@@ -79,6 +79,6 @@ def _nnx_objects(tree: Any) -> list | None:
   nnx = _nnx()
   if nnx is None:
     return None
-  is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
+  is_object = lambda x: isinstance(x, nnx.Pytree)
   found = [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
   return found or None

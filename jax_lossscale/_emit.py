@@ -61,7 +61,7 @@ def emit(should_apply: jax.Array, run: Callable[[], Any], skipped: Any, kept: An
     checked = finite is not None
     finite = finite if checked else jnp.array(True)
     keep = (should_apply & finite) | cpu  # the select is forced to `(out, state)` on CPU
-    chosen = lambda: (_trees.select_tree(keep, out, skipped),  # noqa: E731
+    chosen = lambda: (_trees.select_tree(keep, out, skipped),
                       _trees.select_tree(keep, state, kept))
     if checked:  # on CPU a second cond, for updates found not finite
       out, state = run_or_pass(finite | ~cpu, chosen, (skipped, kept))

@@ -302,7 +302,7 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
   jaxpr = jaxpr_of(program)
   env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
-  read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]  # noqa: E731
+  read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]
   last_use = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.invars
               if not isinstance(v, _core.Literal)}
   last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
@@ -374,7 +374,7 @@ class Operation:
     """
     params = self.eqn.params
     if self.name == "shard_map":
-      body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))  # noqa: E731
+      body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))
       with _source_of(self.eqn):
         return list(jax.shard_map(
             body, mesh=params["mesh"], in_specs=params["in_specs"],
@@ -433,7 +433,7 @@ def operations_ran(program: Program, backward_inputs: Sequence[int]) -> list[Ran
 
 
 def _ran(jaxpr: Any, tainted: set, inside_backward: bool, found: list) -> None:
-  floating = lambda atoms: [a.aval.dtype for a in atoms if jnp.issubdtype(  # noqa: E731
+  floating = lambda atoms: [a.aval.dtype for a in atoms if jnp.issubdtype(
       getattr(a.aval, "dtype", np.bool_), jnp.floating)]
   for eqn in jaxpr.eqns:
     backward = inside_backward or any(

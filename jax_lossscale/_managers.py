@@ -105,14 +105,13 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
   num_bad_steps: jax.Array = state_field()
 
   def __post_init__(self):
-    v = _validation
     checked = {
-        "init_loss_scale": v.scale("init_loss_scale", self.init_loss_scale, minimum=1.0),
-        "incr_every_n_steps": v.integer("incr_every_n_steps", self.incr_every_n_steps, 1),
-        "decr_every_n_nan_or_inf": v.integer(
+        "init_loss_scale": _validation.scale("init_loss_scale", self.init_loss_scale, minimum=1.0),
+        "incr_every_n_steps": _validation.integer("incr_every_n_steps", self.incr_every_n_steps, 1),
+        "decr_every_n_nan_or_inf": _validation.integer(
             "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1),
-        "incr_ratio": v.growth_factor("incr_ratio", self.incr_ratio),
-        "decr_ratio": v.shrink_factor("decr_ratio", self.decr_ratio),
+        "incr_ratio": _validation.growth_factor("incr_ratio", self.incr_ratio),
+        "decr_ratio": _validation.shrink_factor("decr_ratio", self.decr_ratio),
     }
     set_fields(self, checked, {
         "current_loss_scale": (checked["init_loss_scale"], np.float32, 1.0, _numerics.FLOAT32_MAX),

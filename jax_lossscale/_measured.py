@@ -97,14 +97,13 @@ class MeasuredLossScale(LossScale):
   measures = True  # the step passes it what was measured
 
   def __post_init__(self):
-    v = _validation
     checked = {
-        "initial_loss_scale": v.scale("initial_loss_scale", self.initial_loss_scale),
-        "margin": v.integer("margin", self.margin, 0, 100),
-        "history": v.integer("history", self.history, 1, 1 << 16),
+        "initial_loss_scale": _validation.scale("initial_loss_scale", self.initial_loss_scale),
+        "margin": _validation.integer("margin", self.margin, 0, 100),
+        "history": _validation.integer("history", self.history, 1, 1 << 16),
         "dtype": _policy.as_dtype(self.dtype, "dtype").name,
-        "min_loss_scale": v.scale("min_loss_scale", self.min_loss_scale),
-        "max_loss_scale": v.scale("max_loss_scale", self.max_loss_scale),
+        "min_loss_scale": _validation.scale("min_loss_scale", self.min_loss_scale),
+        "max_loss_scale": _validation.scale("max_loss_scale", self.max_loss_scale),
     }
     if not _numerics.has_short_range(checked["dtype"]):
       raise ValueError(

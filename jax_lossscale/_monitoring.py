@@ -56,7 +56,7 @@ def find_state(opt_state: Any, function: str | None = None,
   """
   if not isinstance(opt_state, LossScalingState) and hasattr(opt_state, "opt_state"):
     opt_state = opt_state.opt_state
-  is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
+  is_state = lambda x: isinstance(x, LossScalingState)
   found = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
       opt_state, is_leaf=is_state) if is_state(leaf)]
   if len(found) != 1:
@@ -200,7 +200,7 @@ def _shares_variables(new: Any, old: Any) -> bool:
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
     return False
-  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  is_variable = lambda x: isinstance(x, nnx.Variable)
   olds = {id(x) for x in jax.tree.leaves(old, is_leaf=is_variable) if is_variable(x)}
   return any(id(x) in olds for x in jax.tree.leaves(new, is_leaf=is_variable) if is_variable(x))
 
@@ -250,7 +250,7 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   skips = np.asarray(state.consecutive_skips)
   # A pmap'd or vmapped state holds one copy per device or run: the most stuck one's.
   at = np.unravel_index(np.argmax(skips), skips.shape)
-  read = lambda x: np.asarray(x)[at]  # noqa: E731
+  read = lambda x: np.asarray(x)[at]
   consecutive = int(read(skips))
   if consecutive < max_consecutive_skips:
     return

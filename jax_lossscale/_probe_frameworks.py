@@ -244,7 +244,7 @@ def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
     if nnx is not None and isinstance(first, nnx.Module):
       adapted = nnx_probes(adapted)
     elif eqx is not None and isinstance(first, eqx.Module):
-      from jax_lossscale import _probe_equinox  # pylint: disable=import-outside-toplevel
+      from jax_lossscale import _probe_equinox
       adapted = _probe_equinox.equinox_probes(adapted)
     if "flax.linen" in sys.modules:
       adapted = linen_probes(adapted)

@@ -305,7 +305,7 @@ def _discover_with_fallbacks(fun, args, kwargs):
     try:
       found = _discover(session, fun, args, kwargs)
       return {"rows": rows, "views": views, "skipped": session.skipped}, found
-    except Exception as error:  # noqa: BLE001 (raised below)
+    except Exception as error:  # raised below
       errors.append(error)
       used |= session.used
       if not session.used:
@@ -348,7 +348,7 @@ def _copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
   holding them. With NNX modules in `tree`, by NNX's split and merge, which keep a
   module held twice (`self.c = self.a`) one object, as `nnx.value_and_grad` does."""
   nnx = sys.modules.get("flax.nnx")
-  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)  # noqa: E731
+  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
   if any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module))):
     graphdef, state = nnx.split(tree)
     leaves, treedef = jax.tree.flatten(state)

@@ -68,7 +68,7 @@ def parse(identifier: Any, argument: str) -> LossScale | None:
     return DynamicLossScale()
   if isinstance(identifier, dict):
     return deserialize(identifier)
-  if isinstance(identifier, _policy.Policy) or _policy._is_jmp_policy(identifier):  # pylint: disable=protected-access
+  if isinstance(identifier, _policy.Policy) or _policy._is_jmp_policy(identifier):
     return _policy.get_policy(identifier).loss_scale()
   from_jmp = _from_jmp(identifier, argument)
   if from_jmp is not None:

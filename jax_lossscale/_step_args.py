@@ -43,7 +43,7 @@ def grads_like_params(grads: Any, params: Any) -> None:
     return
   if isinstance(params, optax.LookaheadParams):
     params = params.fast
-  is_none = lambda x: x is None  # noqa: E731
+  is_none = lambda x: x is None
   ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
   theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   if len(ours) != len(theirs):
@@ -91,7 +91,7 @@ def missing_gradients(grads: Any, params: Any) -> list[str]:
     return []
   if isinstance(params, optax.LookaheadParams):
     params = params.fast
-  is_none = lambda x: x is None  # noqa: E731
+  is_none = lambda x: x is None
   ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
   theirs = jax.tree_util.tree_leaves(params, is_leaf=is_none)
   if len(ours) != len(theirs):

@@ -68,7 +68,7 @@ class LossScalingState(NamedTuple):
   last_loss_scale: jax.Array | None = None
   grad_norm: jax.Array | None = None
 
-  def count(self, name: str) -> jax.Array:  # pylint: disable=arguments-renamed
+  def count(self, name: str) -> jax.Array:
     """The count called `name` (one of `COUNTS`), an int32 array; `state.skipped_steps`
     and the other properties read the same."""
     return self.counts[..., COUNTS.index(name)]
@@ -84,7 +84,7 @@ class LossScalingState(NamedTuple):
         False), naming how many there are.
     """
     kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    is_kind = lambda x: isinstance(x, kinds)  # noqa: E731
+    is_kind = lambda x: isinstance(x, kinds)
     found = [x for x in jax.tree.leaves(self.inner_state, is_leaf=is_kind) if is_kind(x)]
     if len(found) != 1:
       raise AttributeError(
@@ -386,7 +386,7 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
   """Whether updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in float16),
   `None` if none. A narrow parameter's new value (`new_params`', else `apply_updates`')
   is checked instead where it was finite (60000 + 10000 is inf in float16)."""
-  narrow = lambda x: _trees.is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4  # noqa: E731
+  narrow = lambda x: _trees.is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4
   def leaf(p, u, n):
     if u is None or not _trees.is_float(p):
       return None
@@ -403,7 +403,7 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
 def _optimizer_stepped(old: Any, new: Any) -> jax.Array:
   """Whether `inner` took an optimizer step: not for a micro-batch that
   `optax.MultiSteps` only accumulated (its `gradient_step` did not advance)."""
-  is_state = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+  is_state = lambda x: isinstance(x, optax.MultiStepsState)
   before, after = ([x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
                    for tree in (old, new))
   return after[0].gradient_step != before[0].gradient_step if before else jnp.array(True)

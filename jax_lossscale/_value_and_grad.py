@@ -160,7 +160,7 @@ def _misplaced_state(args: tuple, kwargs: dict) -> str | None:
   """Where an optimizer state was passed among the loss's own arguments, if it was."""
   def holds_state(x):
     x = getattr(x, "opt_state", x)  # nnx.Optimizer, flax's TrainState
-    is_state = lambda y: isinstance(y, LossScalingState)  # noqa: E731
+    is_state = lambda y: isinstance(y, LossScalingState)
     return any(map(is_state, jax.tree.leaves(x, is_leaf=is_state)))
   where = [f"argument {i + 2}" for i, a in enumerate(args) if holds_state(a)]
   where += [f"`{k}=`" for k, v in kwargs.items() if holds_state(v)]

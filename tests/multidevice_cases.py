@@ -368,7 +368,7 @@ def test_a_named_vmap_over_arrays_sharded_by_an_explicit_mesh_keeps_its_members_
 
 def test_a_vmap_axis_named_inside_shard_map_with_check_vma_is_refused_naming_axis_name(mesh):
   g = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P("data")))
-  per_device = lambda x: jax.vmap(lambda t: jls.all_finite(t, axis_name="v"),  # noqa: E731
+  per_device = lambda x: jax.vmap(lambda t: jls.all_finite(t, axis_name="v"),
                                   axis_name="v")(x[0])[None]
   with pytest.raises(ValueError, match="`axis_name` must name axes.*got 'v'"):
     jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(g)

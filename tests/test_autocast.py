@@ -63,7 +63,7 @@ def test_matmuls_run_in_compute_dtype_and_the_outputs_keep_their_dtypes():
 
 def test_convolutions_run_in_compute_dtype_forward_and_backward():
   image, kernel = jnp.ones((1, 2, 6, 6)), jnp.ones((3, 2, 3, 3)) / 9
-  conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)  # noqa: E731
+  conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)
   ran = summary(jls.autocast(conv), kernel, image)
   assert dtypes_of(ran, "conv_general_dilated") == {"float16"}
   assert dtypes_of(ran, "conv_general_dilated", backward=True) == {"float16"}
@@ -128,7 +128,7 @@ def test_a_scatter_written_by_hand_runs_as_traced_without_a_warning():
 
 
 def test_autocast_of_a_gradient_runs_the_derivatives_sums_in_float32_too():
-  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) * 2.0)  # noqa: E731
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) * 2.0)
   ran = forward_dtypes(jls.autocast(jax.value_and_grad(loss)), W, X)
   assert ran["dot_general"] == {F16} and ran["reduce_sum"] == {F32}
   value, grads = jls.autocast(jax.value_and_grad(loss))(W, X)
@@ -363,7 +363,7 @@ class LinenMLP(linen.Module):
 def test_flax_linen_apply_runs_its_dense_layers_in_float16():
   model = LinenMLP()
   variables = model.init(jax.random.key(0), X)
-  loss = lambda v, x: jnp.mean((model.apply(v, x) - Y) ** 2)  # noqa: E731
+  loss = lambda v, x: jnp.mean((model.apply(v, x) - Y) ** 2)
   ran = summary(jls.autocast(loss), variables, X)
   grads = jax.jit(jax.grad(jls.autocast(loss)))(variables, X)
   assert dtypes_of(ran, "dot_general") == {"float16"}

@@ -149,7 +149,7 @@ def test_an_operation_tells_its_name_types_and_parameters():
 
 def test_an_operation_binds_with_changed_parameters():
   program, _ = internals.trace(lambda x: x @ x, [jnp.ones((2, 2))])
-  run = lambda op, xs: op.bind([x.astype(jnp.float16) for x in xs],  # noqa: E731
+  run = lambda op, xs: op.bind([x.astype(jnp.float16) for x in xs],
                                    preferred_element_type=jnp.float16)
   [out] = internals.evaluate(program, [jnp.ones((2, 2))], run)
   assert out.dtype == jnp.float16

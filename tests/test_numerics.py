@@ -53,7 +53,7 @@ def test_the_reciprocal_divides_exactly_for_powers_of_two_up_to_the_largest_floa
   # scalar into that multiplication): the result must still be right there.
   x = np.random.default_rng(0).uniform(-1, 1, 4096).astype(np.float32) * np.float32(scale)
   x[:3] = [np.inf, -np.inf, np.nan]
-  unscale = lambda s, x: _numerics.Rescale.reciprocal(s)(x)  # noqa: E731
+  unscale = lambda s, x: _numerics.Rescale.reciprocal(s)(x)
   got = np.asarray((jax.jit(unscale) if jitted else unscale)(np.float32(scale), x))
   expected = x / np.float32(scale)
   if np.log2(scale).is_integer():

@@ -268,7 +268,7 @@ def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_chan
     jit):
   def loss(model, x):  # a rule of the user's own that runs the model in forward mode
     params, static = eqx.partition(model, eqx.is_array)
-    plain = lambda params, x: eqx.combine(params, static)(x)  # noqa: E731
+    plain = lambda params, x: eqx.combine(params, static)(x)
     smooth = jax.custom_jvp(plain)
     smooth.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
     return jnp.mean(jax.vmap(smooth, in_axes=(None, 0))(params, x) ** 2)

@@ -569,7 +569,7 @@ def assert_probed_as_unprobed(transform, loss, *args, measured):
 
 @pytest.mark.parametrize("custom", [sin_twice, sin_once], ids=["custom_vjp", "custom_jvp"])
 def test_a_probe_inside_a_custom_rule_measures_nothing_and_changes_nothing(custom, maybe_jit):
-  loss = lambda x: jnp.sum(pr.probe(custom(x), "outside") ** 2)  # noqa: E731
+  loss = lambda x: jnp.sum(pr.probe(custom(x), "outside") ** 2)
   assert_probed_as_unprobed(maybe_jit, loss, jnp.ones(3), measured={"outside"})
 
 

@@ -84,7 +84,7 @@ def test_negative_zeros_are_the_additive_identity_even_for_negative_zero():
   shapes = _trees.negative_zeros_like(jax.eval_shape(lambda: params))
   chex.assert_trees_all_equal(shapes, updates)
   from_template = jax.jit(lambda p: _trees.negative_zeros_like(shapes, like=p))(params)
-  bits = lambda tree: jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)  # noqa: E731
+  bits = lambda tree: jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)
   assert bits(from_template) == bits(updates)
 
 

@@ -63,7 +63,7 @@ def test_the_limits_themselves_are_accepted():
 def test_a_dynamic_scale_at_the_edge_of_float32_never_becomes_inf_nan_or_zero():
   # Growth from 2**127 and backoff to the floor, in one jitted scan.
   def run(loss_scale, finite):
-    step = lambda ls, f: (ls.update({"g": jnp.where(f, 1.0, jnp.inf)})[0],) * 2  # noqa: E731
+    step = lambda ls, f: (ls.update({"g": jnp.where(f, 1.0, jnp.inf)})[0],) * 2
     return jax.lax.scan(step, loss_scale, finite)[1]
 
   finite = jnp.concatenate([jnp.ones(5, bool), jnp.zeros(200, bool), jnp.ones(300, bool)])

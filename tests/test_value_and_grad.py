@@ -257,7 +257,7 @@ def test_a_probed_gradient_function_called_without_jit_compiles_and_traces_only_
   else:  # a module with functions among its leaves
     model = eqx.nn.MLP(3, 2, width_size=5, depth=2, key=jax.random.key(0))
     value_and_grad = eqx.filter_value_and_grad
-    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
   state = jls.loss_scaling(optax.sgd(0.1)).init(eqx.filter(model, eqx.is_array))
   grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=value_and_grad, probes=True)
   first = grad_fn(state, model, x)
@@ -276,7 +276,7 @@ def test_a_probed_nnx_model_called_without_jit_compiles_once_and_keeps_what_the_
   from flax import nnx
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
-  loss = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
+  loss = lambda m: jnp.mean(m(x) ** 2)
   models = [nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
             for _ in range(2)]
   state = state_with_scale(4.0, {})
