@@ -21,6 +21,7 @@ import json
 from typing import Any
 from typing import ClassVar
 from typing import Literal
+from typing import NamedTuple
 from typing import TypeVar
 
 import jax
@@ -48,17 +49,30 @@ def state_field() -> Any:
   return dataclasses.field(default=None, kw_only=True, metadata={"state": True})
 
 
-def set_fields(loss_scale: Any, checked: dict[str, Any], state: dict[str, tuple]) -> None:
+class StateSpec(NamedTuple):
+  """What a state field holds: its `initial` value (which also gives its shape), its
+  `dtype`, and the inclusive range `[low, high]` a given (restored) value must lie in."""
+
+  initial: Any
+  dtype: Any
+  low: float
+  high: float
+
+
+def set_fields(loss_scale: Any, checked: dict[str, Any], state: dict[str, StateSpec]) -> None:
   """`__post_init__`'s work: sets the `checked` configuration, then each state field, to
-  its `initial` value when not given, else to the given value checked against
-  `(initial, dtype, low, high)`."""
+  its spec's `initial` value when not given, else to the given value checked against
+  the spec."""
   for name, value in checked.items():
     object.__setattr__(loss_scale, name, value)
-  for name, (initial, dtype, low, high) in state.items():
+  for name, spec in state.items():
     value = getattr(loss_scale, name)
     # NumPy, not jax: building a loss scale must not initialise a JAX backend.
-    value = np.asarray(initial, dtype) if value is None else _validation.state_values(
-        name, value, dtype, low, high, np.shape(initial))
+    if value is None:
+      value = np.asarray(spec.initial, spec.dtype)
+    else:
+      value = _validation.state_values(name, value, spec.dtype, spec.low, spec.high,
+                                       np.shape(spec.initial))
     object.__setattr__(loss_scale, name, value)
 
 
@@ -387,9 +401,11 @@ class DynamicLossScale(LossScale):
     c = _validation.dynamic_config({n: getattr(self, n) for n in self._static_names})
     high = _numerics.FLOAT32_MAX if c["max_loss_scale"] is None else c["max_loss_scale"]
     set_fields(self, c, {
-        "current_loss_scale": (c["initial_loss_scale"], np.float32, c["min_loss_scale"], high),
-        "num_good_steps": (0, np.int32, 0, c["increment_period"] - 1),
-        "hysteresis_left": (c["hysteresis"], np.int32, 0, c["hysteresis"])})
+        "current_loss_scale": StateSpec(c["initial_loss_scale"], np.float32,
+                                        low=c["min_loss_scale"], high=high),
+        "num_good_steps": StateSpec(0, np.int32, low=0, high=c["increment_period"] - 1),
+        "hysteresis_left": StateSpec(c["hysteresis"], np.int32, low=0, high=c["hysteresis"]),
+    })
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)

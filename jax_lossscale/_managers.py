@@ -20,6 +20,7 @@ from jax_lossscale import _numerics
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import StateSpec
 from jax_lossscale._loss_scale import loss_scale_dataclass
 from jax_lossscale._loss_scale import set_fields
 from jax_lossscale._loss_scale import state_field
@@ -114,9 +115,12 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
         "decr_ratio": _validation.shrink_factor("decr_ratio", self.decr_ratio),
     }
     set_fields(self, checked, {
-        "current_loss_scale": (checked["init_loss_scale"], np.float32, 1.0, _numerics.FLOAT32_MAX),
-        "num_good_steps": (0, np.int32, 0, checked["incr_every_n_steps"] - 1),
-        "num_bad_steps": (0, np.int32, 0, checked["decr_every_n_nan_or_inf"] - 1)})
+        "current_loss_scale": StateSpec(checked["init_loss_scale"], np.float32,
+                                        low=1.0, high=_numerics.FLOAT32_MAX),
+        "num_good_steps": StateSpec(0, np.int32, low=0, high=checked["incr_every_n_steps"] - 1),
+        "num_bad_steps": StateSpec(0, np.int32,
+                                   low=0, high=checked["decr_every_n_nan_or_inf"] - 1),
+    })
 
   min_loss_scale: ClassVar[float] = 1.0  # contrib's floor, `max(scale * decr_ratio, 1)`
 

@@ -24,6 +24,7 @@ from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import StateSpec
 from jax_lossscale._loss_scale import loss_scale_dataclass
 from jax_lossscale._loss_scale import set_fields
 from jax_lossscale._loss_scale import state_field
@@ -115,15 +116,17 @@ class MeasuredLossScale(LossScale):
       raise ValueError(
           f"`initial_loss_scale` must be within [min_loss_scale, max_loss_scale] = "
           f"[{self.min_loss_scale}, {self.max_loss_scale}], got {self.initial_loss_scale}.")
-    f32, i32 = np.float32, np.int32
+    largest = _numerics.FLOAT32_MAX
     set_fields(self, {}, {
-        "current_loss_scale": (self.initial_loss_scale, f32, self.min_loss_scale,
-                               self.max_loss_scale),
-        "maxima": (np.zeros(self.history), f32, 0.0, _numerics.FLOAT32_MAX),
-        "ceiling": (0.0, f32, 0.0, _numerics.FLOAT32_MAX),
-        "patience": (-self.history, i32, -self.history, self.history << _MAX_STRIKES),
-        "strikes": (0, i32, 0, _MAX_STRIKES),
-        "proven": (0.0, f32, 0.0, _numerics.FLOAT32_MAX)})
+        "current_loss_scale": StateSpec(self.initial_loss_scale, np.float32,
+                                        low=self.min_loss_scale, high=self.max_loss_scale),
+        "maxima": StateSpec(np.zeros(self.history), np.float32, low=0.0, high=largest),
+        "ceiling": StateSpec(0.0, np.float32, low=0.0, high=largest),
+        "patience": StateSpec(-self.history, np.int32,
+                              low=-self.history, high=self.history << _MAX_STRIKES),
+        "strikes": StateSpec(0, np.int32, low=0, high=_MAX_STRIKES),
+        "proven": StateSpec(0.0, np.float32, low=0.0, high=largest),
+    })
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.current_loss_scale, jnp.float32)
