@@ -147,8 +147,8 @@ class MeasuredLossScale(LossScale):
                          unscaled)  # finite: a checkpoint's `maxima` are checked finite
     maxima = jnp.roll(jnp.asarray(self.maxima, jnp.float32), 1).at[0].set(unscaled)
     largest = jnp.max(maxima)
-    target = jnp.ldexp(jnp.float32(1), jnp.clip(_log2_floor_ratio(limit, largest) - self.margin,
-                                                -126, 127))
+    exponent = _numerics.log2_floor_ratio(limit, largest) - self.margin
+    target = jnp.ldexp(jnp.float32(1), jnp.clip(exponent, -126, 127))
     target = jnp.where(largest > 0, target, np.float32(self.max_loss_scale))
     ceiling, patience, strikes, proven = self._ceiling(overflow, scale)
     target = jnp.minimum(target, jnp.where(patience > 0, ceiling / 2, jnp.where(
@@ -183,9 +183,3 @@ class MeasuredLossScale(LossScale):
                          jnp.maximum(patience - 1, -self.history))
     proven = jnp.where(moved, 0, jnp.where(overflow, proven, jnp.maximum(proven, scale)))
     return jnp.where(moved, scale, ceiling), patience, strikes, proven
-
-
-def _log2_floor_ratio(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`floor(log2(a / b))` for positive float32 `a` and `b`, without overflowing `a / b`."""
-  (ma, ea), (mb, eb) = jnp.frexp(a), jnp.frexp(b)  # x = m * 2**e, m in [0.5, 1)
-  return ea - eb + jnp.where(ma >= mb, 0, -1)

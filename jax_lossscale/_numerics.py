@@ -24,6 +24,19 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal; XLA flushes 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def log2_floor_ratio(a: Any, b: Any) -> Any:
+  """`floor(log2(a / b))` for positive `a` and `b`, exactly and without overflowing
+  `a / b`: the difference of their exponents, less one where `a`'s mantissa is the
+  smaller. `ceil(log2(a / b))` is `-log2_floor_ratio(b, a)`.
+
+  JAX arrays (traced or not) are computed by JAX, in their dtype; Python and NumPy
+  numbers by NumPy, so that a float64 on the host keeps its range.
+  """
+  xp = jnp if isinstance(a, jax.Array) or isinstance(b, jax.Array) else np
+  (ma, ea), (mb, eb) = xp.frexp(a), xp.frexp(b)  # x = m * 2**e, m in [0.5, 1)
+  return ea - eb + xp.where(ma >= mb, 0, -1)
+
+
 def is_narrow(dtype) -> bool:
   """Whether a floating dtype is narrower than float32 (float16, bfloat16, float8...)."""
   return jnp.dtype(dtype).itemsize < 4

@@ -223,12 +223,14 @@ def recommend_loss_scale(
   finfo = jnp.finfo(dtype)
   overflow = _numerics.first_magnitude(np.float32, dtype, "nonfinite")
   survives = _numerics.first_magnitude(np.float32, dtype, "nonzero")
-  max_scale = _power_of_two(
-      _log2_ratio(float(finfo.max), float(stats["max_abs"]), math.floor) if overflow is None
-      else _log2_ratio(float(overflow), float(stats["max_abs"]), math.ceil) - 1)  # below it
-  smallest = float(finfo.smallest_subnormal) if survives is None else float(survives)
-  min_scale = _power_of_two(_log2_ratio(max(smallest, _numerics.FLOAT32_TINY),
-                                        float(stats["min_abs"]), math.ceil))
+  if overflow is None:
+    max_exponent = _log2_floor_ratio(finfo.max, stats["max_abs"])
+  else:  # the largest power of two strictly below the overflow
+    max_exponent = _log2_ceil_ratio(overflow, stats["max_abs"]) - 1
+  smallest = finfo.smallest_subnormal if survives is None else survives
+  max_scale = _power_of_two(max_exponent)
+  min_scale = _power_of_two(_log2_ceil_ratio(max(float(smallest), _numerics.FLOAT32_TINY),
+                                             stats["min_abs"]))
   if not _numerics.has_short_range(dtype):
     recommended = max(min(min_scale, max_scale), 1.0)  # float32's range: raise only if needed
   else:
@@ -238,10 +240,12 @@ def recommend_loss_scale(
                          float(at["underflow_fraction"]), float(at["overflow_fraction"]))
 
 
-def _log2_ratio(a: float, b: float, rounding) -> int:
-  """`rounding(log2(a / b))` for positive `a` and `b`, computed without overflow."""
-  (ma, ea), (mb, eb) = math.frexp(a), math.frexp(b)
-  return ea - eb + rounding(math.log2(ma / mb))
+def _log2_floor_ratio(a: Any, b: Any) -> int:
+  return int(_numerics.log2_floor_ratio(a, b))
+
+
+def _log2_ceil_ratio(a: Any, b: Any) -> int:
+  return -int(_numerics.log2_floor_ratio(b, a))
 
 
 def _power_of_two(exponent: int) -> float:
