@@ -11,8 +11,6 @@ reference model of that system in `tests/test_parity.py`.
 
 from __future__ import annotations
 
-import numpy as np
-
 from jax_lossscale import _numerics
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import DynamicLossScale
@@ -97,7 +95,7 @@ def flax(
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
     scale: float = 65536.0,
-    minimum_scale: float | None = float(np.finfo(np.float32).tiny),
+    minimum_scale: float | None = _numerics.FLOAT32_TINY,
 ) -> DynamicLossScale:
   """flax's `DynamicScale`, which grows one step later than the others.
 
@@ -114,4 +112,4 @@ def flax(
   return _dynamic(names, scale, growth_interval + 1, growth_factor,
                   backoff_factor=backoff_factor,
                   min_loss_scale=0.0 if minimum_scale is None else minimum_scale,
-                  max_loss_scale=float(np.finfo(np.float32).max))
+                  max_loss_scale=_numerics.FLOAT32_MAX)
