@@ -182,14 +182,17 @@ def boolean(name: str, value: Any) -> bool:
   return bool(value)
 
 
-def flag(name: str, value: Any) -> jax.Array:
-  """A boolean scalar: a Python/NumPy bool or a boolean 0-d array (traced or not)."""
+def flag(name: str, value: Any,
+         example: str = "jax_lossscale.all_finite(grads)") -> jax.Array:
+  """A boolean scalar: a Python/NumPy bool or a boolean 0-d array (traced or not).
+
+  Anything else is refused, naming `example` as a value that fits.
+  """
   if isinstance(value, (bool, np.bool_)):
     return jnp.asarray(value)
   if not isinstance(value, (jax.Array, np.ndarray)) or value.dtype != np.bool_:
     got = f"an array of dtype {value.dtype}" if hasattr(value, "dtype") else _describe(value)
-    raise ValueError(
-        f"`{name}` must be a boolean scalar (e.g. jax_lossscale.all_finite(grads)), got {got}.")
+    raise ValueError(f"`{name}` must be a boolean scalar (e.g. {example}), got {got}.")
   if value.shape != ():
     raise ValueError(
         f"`{name}` must be a boolean scalar, got shape {tuple(value.shape)}; to keep one "

@@ -40,6 +40,7 @@ import numpy as np
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _trees
+from jax_lossscale import _validation
 from jax_lossscale._policy import DTYPE_NAMES as dtype_to_names
 from jax_lossscale._policy import Policy
 from jax_lossscale._policy import cast_floating
@@ -73,15 +74,10 @@ class _NotABooleanScalar(ValueError, AssertionError):
 
 def _boolean_scalar(value: Any, where: str, argument: str) -> jax.Array:
   """`value` as a boolean scalar array (traced or not); anything else is refused."""
-  if isinstance(value, bool):
-    value = np.bool_(value)
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape != () or dtype != np.bool_:
-    got = repr(value) if dtype is None else f"an array of shape {shape} and dtype {dtype}"
-    raise _NotABooleanScalar(
-        f"{where} expected boolean scalar `{argument}` (such as jmp.all_finite(grads)), got "
-        f"{got}.")
-  return jnp.asarray(value)
+  try:
+    return _validation.flag(argument, value, "jmp.all_finite(grads)")
+  except ValueError as error:  # in jmp's words, which code may match
+    raise _NotABooleanScalar(f"{where} expected boolean scalar `{argument}`: {error}") from None
 
 
 def _pytree(*leaves: str):
