@@ -79,14 +79,10 @@ def test_the_public_names_are_jmps():
   assert set(jmp.__all__) == set(real_jmp.__all__) | {"dtype_to_names"}
 
 
-def test_min_loss_scale_survives_jit_and_tree_map():
+def test_min_loss_scale_survives_jit_and_tree_map_and_a_jitted_adjust_backs_off_to_it():
   loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), min_loss_scale=2.0**8)
   assert jax.jit(lambda s: s)(loss_scale).min_loss_scale == 2.0**8
   assert jax.tree.map(lambda x: x, loss_scale).min_loss_scale == 2.0**8
-
-
-def test_jitted_adjust_backs_off_to_min_loss_scale_not_to_one():
-  loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**10), min_loss_scale=2.0**8)
   adjust = jax.jit(lambda s: s.adjust(jnp.bool_(False)))
   scales = []
   for _ in range(4):
