@@ -102,8 +102,7 @@ def _check_outermost(opt_state: Any, path) -> None:
       raise ValueError(
           f"loss_scaling is not the outermost transformation (its state is at "
           f"opt_state{jax.tree_util.keystr(path)}): {why}. The rule: {_RULE}.")
-    node = node[key.idx] if hasattr(key, "idx") else (
-        node[key.key] if hasattr(key, "key") else getattr(node, key.name))
+    node = _trees.child(node, key)
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:

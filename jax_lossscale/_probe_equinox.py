@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _probes
+from jax_lossscale import _trees
 from jax_lossscale._probe_frameworks import calls_probed
-from jax_lossscale._probe_frameworks import join
 from jax_lossscale._probe_frameworks import probe_output
 from jax_lossscale._probe_frameworks import stacked_length
 from jax_lossscale._probe_frameworks import while_probing
@@ -126,7 +126,7 @@ def _equinox_view(module, path, inherited: int | None = None):
   if length is not None and not _probes.stacked_rows():
     length = None
   index = None if length is None else jnp.arange(length)
-  return _equinox_probed()(view, index, join(path) or type(module).__name__, length)
+  return _equinox_probed()(view, index, _trees.path_name(path) or type(module).__name__, length)
 
 
 @functools.cache  # one class, made when equinox is first needed

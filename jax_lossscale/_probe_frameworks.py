@@ -27,19 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _probes
+from jax_lossscale import _trees
 
 _NAME, _INDEX, _LENGTH = "_probe_name", "_probe_index", "_probe_length"
-
-
-def _key_name(key: Any) -> str:
-  for attribute in ("name", "key", "idx"):
-    if hasattr(key, attribute):
-      return str(getattr(key, attribute))
-  return str(key)
-
-
-def join(path) -> str:
-  return "/".join(_key_name(key) for key in path)
 
 
 def probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
@@ -51,7 +41,7 @@ def probe_output(out: Any, name: str, index: Any = None, length: int | None = No
   def one(path, leaf):
     if not hasattr(leaf, "dtype"):  # a string, a Python number: not measured
       return leaf
-    where = name if len(leaves) == 1 else f"{name}/{join(path)}"
+    where = name if len(leaves) == 1 else f"{name}/{_trees.path_name(path)}"
     return _probes.probe(leaf, where, index=index, length=length)
 
   return jax.tree_util.tree_map_with_path(one, out)
@@ -109,7 +99,7 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     root = applied[-1] if applied else parents_root(module)  # `method=lambda m: m.encoder`
     roots.setdefault(root, len(roots))  # in the order met, alike in both passes
     path = context.module.path if not roots[root] else (root.__name__, *context.module.path)
-    return probe_output(out, "/".join(path) or type(context.module).__name__)
+    return probe_output(out, _trees.path_name(path) or type(context.module).__name__)
 
   def parents_root(module):
     while isinstance(module.parent, linen.Module):
@@ -166,7 +156,7 @@ def _nnx_annotated(model):
     for path, module in modules.items():
       length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
                      if lengths.get(path[:i]) is not None), None)
-      setattr(module, _NAME, join(path) or type(module).__name__)
+      setattr(module, _NAME, _trees.path_name(path) or type(module).__name__)
       if length is not None and _probes.stacked_rows():
         setattr(module, _INDEX, nnx.Variable(jnp.arange(length)))
         setattr(module, _LENGTH, length)

@@ -54,6 +54,31 @@ def rescale_floats(tree: Any, rescale: _numerics.Rescale) -> Any:
   return tree if rescale.identity else map_float_leaves(rescale, tree)
 
 
+def key_entry(key: Any) -> Any:
+  """What one key of a key path names: a dict's key, a sequence's index, an attribute's
+  name. Any other key (a part of an NNX module path, a pytree's own key object) is its
+  own entry, as `jax.tree_util.keystr` prints it."""
+  if isinstance(key, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
+    return key.key
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return key.name
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return key.idx
+  return key
+
+
+def path_name(path: Any) -> str:
+  """A key path as a name, its entries joined by "/": `"params/layer_3/kernel"`."""
+  return "/".join(str(key_entry(key)) for key in path)
+
+
+def child(node: Any, key: Any) -> Any:
+  """The child of `node` that `key` (a key of a path to it) leads to."""
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  return node[key_entry(key)]
+
+
 def partition(tree: Any) -> tuple[Any, Any]:
   """`(arrays, static)`: two trees of `tree`'s structure, `None` where the other has a leaf."""
   arrays = jax.tree.map(lambda x: x if is_array(x) else None, tree)

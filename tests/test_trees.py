@@ -1,5 +1,7 @@
 """Specification of the tree utilities: floating leaves, partition, select, `-0.0`."""
 
+import collections
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -147,3 +149,30 @@ def test_apply_updates_wraps_narrow_integers_as_optax_and_widens_only_float8():
   chex.assert_trees_all_equal(integers(ours),
                               optax.apply_updates(integers(params), integers(updates)))
   chex.assert_trees_all_equal(ours["f"], jnp.array([1.5, -1.75], jnp.float8_e4m3fn))
+
+
+class Unkeyed:
+  """A pytree node registered without keys: its children get `FlattenedIndexKey`s."""
+
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_node(Unkeyed, lambda u: ((u.a, u.b), None),
+                                   lambda _, children: Unkeyed(*children))
+
+
+def test_a_key_path_is_named_by_its_entries_and_leads_back_to_its_leaf():
+  # Every key JAX makes (dict, attribute, sequence and unkeyed-node keys) and the plain
+  # parts of an NNX module path: named as nonfinite_leaf_paths and the probes name them.
+  Point = collections.namedtuple("Point", "x y")
+  tree = {"params": [Point(jnp.zeros(()), {3: jnp.ones(())})], "u": Unkeyed(1.0, 2.0)}
+  paths = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+  assert [_trees.path_name(path) for path, _ in paths] == [
+      "params/0/x", "params/0/y/3", "u/0", "u/1"]
+  for path, leaf in paths[:2]:  # an unkeyed node's children are not its items
+    node = tree
+    for key in path:
+      node = _trees.child(node, key)
+    assert node is leaf
+  assert _trees.path_name(("blocks", 0, "linear")) == "blocks/0/linear"
