@@ -74,26 +74,10 @@ def nonfinite_leaf_paths(flags: Any) -> list[str]:
           f"nonfinite_leaves(grads), got a leaf of dtype {jnp.result_type(leaf)} and shape "
           f"{jnp.shape(leaf)}.")
   return [
-      _path_string(path)
+      _trees.path_name(path)
       for path, flag in jax.tree_util.tree_leaves_with_path(flags)
       if bool(flag)
   ]
-
-
-def _path_string(path) -> str:
-  parts = []
-  for key in path:
-    if isinstance(key, jax.tree_util.DictKey):
-      parts.append(str(key.key))
-    elif isinstance(key, jax.tree_util.GetAttrKey):
-      parts.append(key.name)
-    elif isinstance(key, jax.tree_util.SequenceKey):
-      parts.append(str(key.idx))
-    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(key.key))
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
 
 
 def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) -> dict:
