@@ -178,9 +178,19 @@ def manual_axes(value: Any) -> tuple[Hashable, ...]:
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[Hashable, ...]:
+  """`axis_name` as a tuple of axis names: `()` for None, `(name,)` for one name.
+
+  Raises:
+    TypeError: if `axis_name` is neither None, a mapped axis name (hashable), nor a tuple
+      or list of them.
+  """
   if axis_name is None:
     return ()
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if not all(isinstance(name, Hashable) for name in names):
+    raise TypeError(f"`axis_name` must be an axis name (a string), or a tuple or list of "
+                    f"them, got {axis_name!r}.")
+  return names
 
 
 def agree(flags: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:

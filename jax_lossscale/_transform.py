@@ -1,30 +1,39 @@
 """`loss_scaling`: loss scaling as an optax `GradientTransformation`.
 
-A step, in the order it runs: `_decide.decide` (one check of the scaled gradients and of
-the loss, agreed across devices), the inner optimizer on the gradients times the
-scale divided out, `_emit.emit` (a `lax.cond` on CPU, a select elsewhere), and
-`next_state` (the next loss scale and the counters).
+A step, in the order it runs: its arguments are checked, `decide` takes the decision (one
+check of the scaled gradients and of the loss, agreed across devices), the inner optimizer
+runs on the gradients times the scale divided out, `emit` gives its result or the skipped
+step's (a `lax.cond` on CPU, a select elsewhere), and `next_state` gives the next loss scale
+and the counters.
+
+Sections, top-down: the state, the checks of a step's arguments, the decision, emitting
+the step, the transformation.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jax_lossscale import _decide
 from jax_lossscale import _eager
-from jax_lossscale import _emit
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
+from jax_lossscale import _numerics
+from jax_lossscale import _probe_stats
+from jax_lossscale import _probes
 from jax_lossscale import _serialization
-from jax_lossscale import _step_args
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
+
+# --- the state ---------------------------------------------------------------------------
 
 COUNTS = ("skipped_steps", "consecutive_skips", "nonfinite_loss_steps",
           "nonfinite_update_steps", "consecutive_nonfinite_loss", "consecutive_nonfinite_updates")
@@ -74,6 +83,37 @@ class LossScalingState(NamedTuple):
     return self.counts[..., COUNTS.index(name)]
 
   @property
+  def skipped_steps(self) -> jax.Array:
+    """Steps skipped so far."""
+    return self.count("skipped_steps")
+
+  @property
+  def consecutive_skips(self) -> jax.Array:
+    """Steps skipped in a row up to now."""
+    return self.count("consecutive_skips")
+
+  @property
+  def nonfinite_loss_steps(self) -> jax.Array:
+    """Steps skipped because the unscaled loss passed as `loss=` was inf or NaN."""
+    return self.count("nonfinite_loss_steps")
+
+  @property
+  def nonfinite_update_steps(self) -> jax.Array:
+    """Steps skipped because the inner optimizer turned finite gradients into inf or NaN
+    updates of low-precision parameters."""
+    return self.count("nonfinite_update_steps")
+
+  @property
+  def consecutive_nonfinite_loss(self) -> jax.Array:
+    """How many of the `consecutive_skips` were for a non-finite loss."""
+    return self.count("consecutive_nonfinite_loss")
+
+  @property
+  def consecutive_nonfinite_updates(self) -> jax.Array:
+    """How many of the `consecutive_skips` were for non-finite updates."""
+    return self.count("consecutive_nonfinite_updates")
+
+  @property
   def hyperparams(self) -> dict[str, Any]:
     """The `hyperparams` of the `optax.inject_hyperparams` inside, where code that logs
     them reads them (`opt_state.hyperparams["learning_rate"]`, as levanter does;
@@ -93,17 +133,345 @@ class LossScalingState(NamedTuple):
           "optax.tree_utils.tree_get(opt_state, 'learning_rate').")
     return found[0].hyperparams
 
-  skipped_steps = property(lambda self: self.count("skipped_steps"))
-  consecutive_skips = property(lambda self: self.count("consecutive_skips"))
-  nonfinite_loss_steps = property(lambda self: self.count("nonfinite_loss_steps"))
-  nonfinite_update_steps = property(lambda self: self.count("nonfinite_update_steps"))
-  consecutive_nonfinite_loss = property(lambda self: self.count("consecutive_nonfinite_loss"))
-  consecutive_nonfinite_updates = property(
-      lambda self: self.count("consecutive_nonfinite_updates"))
-
 
 jax.export.register_namedtuple_serialization(
     LossScalingState, serialized_name="jax_lossscale.LossScalingState")
+
+
+# --- the checks of a step's arguments ----------------------------------------------------
+# Gradients shaped like the parameters, the loss and the update's keywords (`axis_name`:
+# `_finite.axis_tuple`). Every error names the argument, the value and what is allowed.
+
+
+def _check_inner(inner: Any) -> None:
+  if isinstance(getattr(inner, "update", None), _Step):
+    raise TypeError(
+        "loss_scaling: `inner` is already a loss_scaling transformation; wrapping it again "
+        "would unscale the gradients twice. Wrap the optimizer once: "
+        "loss_scaling(optax.adam(1e-3)).")
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    hint = ""
+    if callable(inner):
+      hint = (f" {getattr(inner, '__qualname__', repr(inner))} is a function: did you forget "
+              "to call it, e.g. optax.adam(1e-3)?")
+    raise TypeError(
+        "loss_scaling: `inner` must be an optax GradientTransformation (with `init` and "
+        f"`update`), such as optax.adam(1e-3), got {inner!r}.{hint}")
+
+
+def _loss_array(value: Any) -> jax.Array:
+  """The unscaled loss passed as `loss=`: a number or an array, as an array."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return jnp.asarray(value)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(
+        "`loss` must be the unscaled loss of the step (a number or an array), got "
+        f"{type(value).__name__}: {value!r:.100}")
+  try:
+    value = float(value)  # float64 under x64: 1e300 is a finite loss there
+  except OverflowError:  # an int beyond any float: not a finite loss
+    value = math.inf if value > 0 else -math.inf
+  return jnp.asarray(value)
+
+
+def _check_grads_like_params(grads: Any, params: Any) -> None:
+  """`grads` has the structure of `params` and a leaf of its shape for each array
+  (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
+  compared), floating-point where the parameter is (only those are unscaled: without
+  `params`, an integer gradient cannot be told from an integer parameter's and passes
+  as it is); a Python float in `params` (not trained, as in equinox) has no gradient.
+  `optax.lookahead`'s gradients are those of its fast params."""
+  if params is None:
+    return
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  is_none = lambda x: x is None
+  ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+  theirs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+  if len(ours) != len(theirs):
+    raise ValueError(f"`grads` must have the structure of `params`: {len(ours)} leaves "
+                     f"against {len(theirs)}; grads: {str(jax.tree.structure(grads)):.300}.")
+  for (grad_path, g), (path, p) in zip(ours, theirs, strict=True):
+    where = jax.tree_util.keystr(path)
+    if jax.tree_util.keystr(grad_path) != where:
+      raise ValueError(f"`grads` must have the structure of `params`: `grads` has "
+                       f"{jax.tree_util.keystr(grad_path)} where `params` has {where}.")
+    if hasattr(g, "shape") and hasattr(p, "shape") and jnp.shape(g) != jnp.shape(p):
+      raise ValueError(f"`grads{where}` has shape {jnp.shape(g)}, its parameter "
+                       f"`params{where}` {jnp.shape(p)}.")
+    if isinstance(p, float) and g is not None:
+      raise TypeError(
+          f"`params{where}` is the Python float {p!r}, which is not trained (as in "
+          f"equinox, only arrays are), but `grads{where}` is a gradient for it: make the "
+          "parameter an array (jnp.asarray) to train it, or give it no gradient (None).")
+    if _trees.is_float(p) and hasattr(g, "dtype") and not _trees.is_float(g):
+      raise TypeError(f"`grads{where}` is {jnp.result_type(g)}, but a gradient of the "
+                      f"{jnp.result_type(p)} `params{where}` must be floating-point (it "
+                      "would reach the optimizer unscaled).")
+  structures = [jax.tree.structure(t, is_leaf=is_none) for t in (grads, params)]
+  if structures[0] != structures[1]:  # the same paths, other containers (a tuple, a list)
+    raise ValueError("`grads` must have the structure of `params`: grads "
+                     f"{str(structures[0]):.200}, params {str(structures[1]):.200}.")
+
+
+def _check_no_more_positional(args: tuple, function: str) -> None:
+  """`loss=` and `probes=` are keyword-only: a loss passed positionally is refused in the
+  caller's words (not as an internal class's signature)."""
+  if args:
+    raise TypeError(
+        f"loss_scaling's {function} takes the gradients, the state and the parameters "
+        f"positionally, and `loss=` and `probes=` by keyword only: "
+        f"{function}(grads, state, params, loss=loss). Got {len(args)} more positional "
+        f"argument{'s' if len(args) > 1 else ''}: "
+        f"{', '.join(type(a).__name__ for a in args)}.")
+
+
+def _check_update_keywords(extra_args: dict) -> None:
+  """A misspelt `loss=` or `probes=` would go to the inner optimizer, which ignores it.
+
+  Only a typo is refused (a case variant, a letter dropped or doubled, two swapped, and
+  `probe`), not a word an inner transformation may take (`losses`, `lost`, `probs`).
+  """
+  for key in extra_args:
+    meant = next((word for word in ("loss", "probes") if key != word and (
+        key.lower() in _typos(word) or key.lower() == word)), None)
+    if meant:
+      raise TypeError(f"loss_scaling's update got `{key}=`: did you mean `{meant}=`? Other "
+                      "keyword arguments go to the inner optimizer, which ignores unknown ones.")
+
+
+def _typos(word: str) -> set[str]:
+  """`word` with one letter dropped or doubled, or two neighbours swapped."""
+  cut = range(len(word))
+  return ({word[:i] + word[i + 1:] for i in cut} | {word[:i] + word[i] + word[i:] for i in cut}
+          | {word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in cut[:-1]}) - {
+              "probs", word}
+
+
+def _missing_gradients(grads: Any, params: Any) -> list[str]:
+  """The paths where `grads` has `None` and `params` a floating-point array: a gradient
+  that an optimizer keeping state per parameter (Adam's moments) cannot do without."""
+  if params is None:
+    return []
+  if isinstance(params, optax.LookaheadParams):
+    params = params.fast
+  is_none = lambda x: x is None
+  ours = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+  theirs = jax.tree_util.tree_leaves(params, is_leaf=is_none)
+  if len(ours) != len(theirs):
+    return []
+  return [jax.tree_util.keystr(path) for (path, g), p in zip(ours, theirs, strict=True)
+          if g is None and hasattr(p, "dtype") and _trees.is_float(p)]
+
+
+# --- the decision ------------------------------------------------------------------------
+# Are the gradients finite once unscaled, is the loss, and what do the scaled gradients get
+# multiplied by: one check of the scaled gradients (or, with clipping, the clip's own norm),
+# agreed across devices with one collective before anything is decided, so every replica
+# takes the same decision.
+
+
+class Decision(NamedTuple):
+  """What is known of one step before the inner optimizer runs.
+
+  Attributes:
+    grads_finite: bool scalar: the gradients stay finite once unscaled (and clipped).
+    loss_finite: bool scalar: the loss passed as `loss=` is finite (True without one).
+    unscaling: what the scaled gradients are multiplied by: the reciprocal of the loss
+      scale, times the clip factor when clipping.
+    measured: float32 scalar, the largest magnitude of the scaled gradients and of the
+      probed activation gradients, for a loss scale that measures; else None.
+    grad_norm: the global L2 norm of the unscaled gradients (before clipping; inf or NaN
+      where they are not finite; the largest of the devices'), when asked for; else None.
+  """
+
+  grads_finite: jax.Array
+  loss_finite: jax.Array
+  unscaling: _numerics.Rescale
+  measured: jax.Array | None = None
+  grad_norm: jax.Array | None = None
+
+  @property
+  def should_apply(self) -> jax.Array:
+    return self.grads_finite & self.loss_finite
+
+
+def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.AxisName,
+           max_norm: float | None, probes: Any = None, norm: bool = False) -> Decision:
+  """Checks the scaled gradients and the loss once, agreed across devices; with `norm`,
+  also takes the unscaled gradients' global norm (free when clipping: the clip's own),
+  the largest of the devices' (one `pmax`), so replicas keep one state."""
+  unscaling = loss_scale._unscaling()
+  largest = _finite.largest_magnitudes(grads)
+  grad_norm = None
+  if max_norm is None:
+    grads_finite = _finite.finite_after(largest, unscaling)
+    if norm:
+      grad_norm = unscaling(global_norm(grads))
+  else:
+    grads_finite, grad_norm, unscaling = _clipped(grads, unscaling, max_norm)
+  grad_norm = _finite.agree_max(grad_norm, axis_name) if norm else None
+  if probes is not None and not isinstance(probes, _probes.Probes):
+    raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
+                    f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
+  measured = None
+  if loss_scale.measures:
+    measured = _finite.agree_max(_measured(largest, probes), axis_name)
+  flags = [grads_finite]
+  if loss is not None:
+    flags.append(_finite.finite(_loss_array(loss)))
+  flags = _finite.agree(flags, axis_name)
+  return Decision(flags[0], flags[1] if loss is not None else jnp.array(True), unscaling,
+                  measured, grad_norm)
+
+
+def _measured(largest: list, probes: Any) -> jax.Array:
+  """The largest gradient magnitude seen: of the parameter gradients, and of every probed
+  activation gradient (its binade's top where a probe was hit several times)."""
+  measured = _finite.largest_of(largest)
+  if probes:
+    measured = jnp.maximum(measured, _probe_stats.largest_gradient(probes.encoded))
+  return measured
+
+
+class _Clipped(NamedTuple):
+  """The check and the unscaling of clipped gradients.
+
+  Attributes:
+    finite: bool scalar: the gradients stay finite once unscaled and clipped.
+    norm: the global L2 norm of the unscaled gradients, before clipping.
+    unscaling: the reciprocal of the loss scale times the clip factor.
+  """
+
+  finite: jax.Array
+  norm: jax.Array
+  unscaling: _numerics.Rescale
+
+
+def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float) -> _Clipped:
+  """The clip's norm doubles as the check; the clip factor joins the unscaling.
+
+  The norm is taken of the scaled gradients (the kernel optax's clip uses) and unscaled
+  as a scalar: for a power-of-two scale, exactly the norm of the unscaled gradients.
+  """
+  norm = unscaling(global_norm(grads))
+  finite = jnp.isfinite(norm)
+  # float16 and float8 gradients can overflow their own dtype when unscaled by a scale
+  # below 1 while the float32 norm stays finite: those are checked exactly.
+  short = [x for x in _trees.float_leaves(grads) if _numerics.has_short_range(x.dtype)]
+  if short:
+    finite &= _finite.finite(short, unscaling)
+  clip = jnp.where(norm < max_norm, 1, max_norm / norm)  # float64 for float64 norms
+  return _Clipped(finite, norm, unscaling.times(clip))
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of the floating leaves of `tree`, in at least float32.
+
+  `optax.tree.norm` of the leaves, each in its compute dtype: for float32 leaves the very
+  computation of `optax.clip_by_global_norm`; float16 and bfloat16 leaves are squared in
+  float32 (a float16 square overflows beyond 256). Any inf or NaN makes the norm inf or
+  NaN; an empty tree has norm 0.
+  """
+  leaves = [x.astype(_numerics.compute_dtype(x.dtype)) for x in _trees.float_leaves(tree)]
+  return optax.tree.norm(leaves) if leaves else jnp.zeros([], jnp.float32)
+
+
+# --- emitting the step -------------------------------------------------------------------
+# By `lax.cond` on CPU, by a select on GPU and TPU. On CPU a `lax.cond` runs nothing on a
+# skipped step and lets XLA update donated buffers in place, where a select would make it
+# copy them; on GPU and TPU a select fuses into the optimizer's own kernels, where a `cond`
+# would split them (benchmarks/RESULTS.md, "Why `cond` on CPU and `where` elsewhere").
+#
+# Both are one program: a `lax.cond` whose predicate is forced true off CPU, around a
+# select that is forced to its first operand on CPU. `on_cpu` is a constant once the
+# program is lowered for one platform, so XLA removes the cond or the select; a program
+# exported for several platforms reads it when it runs. The step is traced once.
+#
+# What a step gives may hold static leaves (strings, functions of equinox modules); a
+# skipped step's are those of the running step, see `_trees.arrays_of`.
+
+
+class InnerStep(NamedTuple):
+  """What the inner optimizer's step gives, before the step is emitted.
+
+  Attributes:
+    out: the updates, or with `apply_gradients` the new parameters.
+    inner_state: the inner optimizer's new state.
+    updates_finite: bool scalar, whether the updates of parameters narrower than float32
+      (or their new values) are finite; `None` when nothing needed checking.
+  """
+
+  out: Any
+  inner_state: Any
+  updates_finite: jax.Array | None
+
+
+class Emitted(NamedTuple):
+  """The step's result, applied or skipped.
+
+  Attributes:
+    out: `InnerStep.out` if the step was applied, else what a skipped step gives.
+    inner_state: the inner optimizer's new state if applied, else the kept one.
+    applied: bool scalar, the final verdict.
+    updates_finite: bool scalar, False when finite gradients gave non-finite updates.
+  """
+
+  out: Any
+  inner_state: Any
+  applied: jax.Array
+  updates_finite: jax.Array
+
+
+def on_cpu() -> jax.Array:
+  """Bool scalar: whether the program runs on CPU (`lax.platform_dependent`)."""
+  return jax.lax.platform_dependent(cpu=lambda: jnp.array(True), default=lambda: jnp.array(False))
+
+
+def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any) -> Any:
+  """`fn()` if `pred` else `passed`, by `lax.cond`; the outputs may hold static leaves,
+  which must be `passed`'s. The skipping branch returns its operands as they came, so
+  XLA makes it no computation at all (rebuilding them cost a thousand-leaf
+  `apply_gradients` about 0.2 s more to compile: benchmarks/RESULTS.md)."""
+  arrays, static = _trees.partition(passed)
+  out = jax.lax.cond(pred, lambda _: _trees.arrays_of(fn, static)(), lambda ops: ops, arrays)
+  return _trees.combine(out, static)
+
+
+def emit(should_apply: jax.Array, run: Callable[[], InnerStep], skipped: Any,
+         kept: Any) -> Emitted:
+  """The step's result: what `run()` gives if it is applied, else `(skipped, kept)`.
+
+  Args:
+    should_apply: bool scalar, the decision taken before running the inner optimizer.
+    run: `() -> InnerStep`, the inner optimizer's step.
+    skipped: what a skipped step gives instead of `out` (`-0.0` updates, or the params).
+    kept: the inner state a skipped step keeps.
+
+  Returns:
+    An `Emitted`.
+  """
+  cpu = on_cpu()
+
+  def ran():
+    out, state, finite = run()
+    checked = finite is not None
+    finite = finite if checked else jnp.array(True)
+    keep = (should_apply & finite) | cpu  # the select is forced to `(out, state)` on CPU
+    chosen = lambda: (_trees.select_tree(keep, out, skipped),
+                      _trees.select_tree(keep, state, kept))
+    if checked:  # on CPU a second cond, for updates found not finite
+      out, state = run_or_pass(finite | ~cpu, chosen, (skipped, kept))
+    else:
+      out, state = chosen()
+    return out, state, finite
+
+  # On a skipped step `finite` is `~should_apply`: True.
+  out, state, finite = run_or_pass(should_apply | ~cpu, ran, (skipped, kept, ~should_apply))
+  return Emitted(out, state, should_apply & finite, finite | ~should_apply)
+
+
+# --- the transformation ------------------------------------------------------------------
 
 
 class LossScalingTransformation(optax.GradientTransformationExtraArgs):
@@ -228,24 +596,9 @@ def loss_scaling(
       clip_by_global_norm)
   if not isinstance(grad_norm, bool):
     raise ValueError(f"`grad_norm` must be True or False, got {grad_norm!r}.")
-  step = _Step(inner, initial, _step_args.axis_name(axis_name), max_norm, grad_norm)
+  _finite.axis_tuple(axis_name)  # refused here, not at the first step
+  step = _Step(inner, initial, axis_name, max_norm, grad_norm)
   return LossScalingTransformation(step.init, step)
-
-
-def _check_inner(inner: Any) -> None:
-  if isinstance(getattr(inner, "update", None), _Step):
-    raise TypeError(
-        "loss_scaling: `inner` is already a loss_scaling transformation; wrapping it again "
-        "would unscale the gradients twice. Wrap the optimizer once: "
-        "loss_scaling(optax.adam(1e-3)).")
-  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-    hint = ""
-    if callable(inner):
-      hint = (f" {getattr(inner, '__qualname__', repr(inner))} is a function: did you forget "
-              "to call it, e.g. optax.adam(1e-3)?")
-    raise TypeError(
-        "loss_scaling: `inner` must be an optax GradientTransformation (with `init` and "
-        f"`update`), such as optax.adam(1e-3), got {inner!r}.{hint}")
 
 
 class _Step:
@@ -292,30 +645,30 @@ class _Step:
 
   def __call__(self, updates, state, params=None, *args, loss=None, probes=None,
                **extra_args):
-    _step_args.no_more_positional(args, "update")
+    _check_no_more_positional(args, "update")
     return self._step(updates, state, params, loss, probes, extra_args, apply=False)
 
   def apply(self, grads, state, params, *args, loss=None, probes=None, **extra_args):
     """`(new_params, new_state)`: `__call__` and `optax.apply_updates`, fused."""
-    _step_args.no_more_positional(args, "apply_gradients")
+    _check_no_more_positional(args, "apply_gradients")
     if params is None:
       raise TypeError("apply_gradients: `params` must be the parameters to update, got None.")
     return self._step(grads, state, params, loss, probes, extra_args, apply=True)
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
-    _step_args.update_keywords(extra_args)
-    _step_args.grads_like_params(grads, params)
+    _check_update_keywords(extra_args)
+    _check_grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
-    loss = None if loss is None else _step_args.loss(loss)
+    loss = None if loss is None else _loss_array(loss)
     inputs = (grads, state, params, loss, probes, extra_args)
     # Outside jit, traced afresh, the step's `lax.cond`s would compile on every call.
     step = self._traced_step if _eager.traced(inputs) else self._eager_step
     return step(*inputs, apply)
 
   def _traced_step(self, grads, state, params, loss, probes, extra_args, apply):
-    decision = _decide.decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm,
-                              probes, self.norm)
+    decision = decide(grads, state.loss_scale, loss, self.axis_name, self.max_norm, probes,
+                      self.norm)
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run():
@@ -326,7 +679,7 @@ class _Step:
             _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
-        missing = _step_args.missing_gradients(grads, params)
+        missing = _missing_gradients(grads, params)
         error.add_note(
             f"loss_scaling: raised by the inner optimizer. `grads{missing[0]}` is None "
             f"where `params{missing[0]}` is a floating-point array that the optimizer "
@@ -336,19 +689,19 @@ class _Step:
             "another optimizer's init, pass this transformation's (tx.init).")
         raise
       out = _trees.apply_updates(params, updates) if apply else updates
-      return out, inner_state, _narrow_finite(updates, self.axis_name, params,
-                                              out if apply else None)
+      return InnerStep(out, inner_state, _narrow_finite(updates, self.axis_name, params,
+                                                        out if apply else None))
 
-    static = (_trees.partition(params if apply else _trees.updates_like(grads, params))[1],
-              _trees.partition(state.inner_state)[1], None)
+    static = InnerStep(
+        _trees.partition(params if apply else _trees.updates_like(grads, params))[1],
+        _trees.partition(state.inner_state)[1], None)
     run, shapes = _traced_once(run, static, (grads, state, params, extra_args))
     skipped = params if apply else _trees.combine(
-        _trees.negative_zeros_like(shapes[0], like=_trees.partition(grads)[0]), static[0])
-    kept = _trees.cast_like(state.inner_state, shapes[1])
-    out, inner_state, applied, updates_finite = _emit.emit(
-        decision.should_apply, run, skipped, kept)
-    stepped = _optimizer_stepped(state.inner_state, inner_state)
-    return out, next_state(state, decision, inner_state, applied, updates_finite, stepped)
+        _trees.negative_zeros_like(shapes.out, like=_trees.partition(grads)[0]), static.out)
+    kept = _trees.cast_like(state.inner_state, shapes.inner_state)
+    emitted = emit(decision.should_apply, run, skipped, kept)
+    stepped = _optimizer_stepped(state.inner_state, emitted.inner_state)
+    return emitted.out, next_state(state, decision, emitted, stepped)
 
   def _check_state(self, state: Any) -> None:
     if not isinstance(state, LossScalingState):
@@ -409,12 +762,13 @@ def _optimizer_stepped(old: Any, new: Any) -> jax.Array:
   return after[0].gradient_step != before[0].gradient_step if before else jnp.array(True)
 
 
-def next_state(state: LossScalingState, decision: _decide.Decision, inner_state: Any,
-               applied: jax.Array, updates_finite: jax.Array,
+def next_state(state: LossScalingState, decision: Decision, emitted: Emitted,
                stepped: jax.Array) -> LossScalingState:
-  """The new `LossScalingState` after one step."""
+  """The new `LossScalingState` after one step: `emitted` as `emit` gave it, `stepped`
+  whether the inner optimizer took an optimizer step."""
+  applied = emitted.applied
   loss_bad = ~decision.loss_finite
-  updates_bad = decision.should_apply & ~updates_finite
+  updates_bad = decision.should_apply & ~emitted.updates_finite
   # An overflow moves the scale at once, a finite step when the optimizer steps (every micro-
   # batch, for a measuring scale); a bad loss, or bad updates of finite gradients, do not.
   moved = (~decision.grads_finite & decision.loss_finite) | (
@@ -427,5 +781,5 @@ def next_state(state: LossScalingState, decision: _decide.Decision, inner_state:
   counts = jnp.where(counts < jnp.iinfo(jnp.int32).max, counts + increments.astype(jnp.int32),
                      counts)  # saturating, as optax.safe_increment
   counts = jnp.where(applied & jnp.array(_STREAKS), 0, counts)
-  return LossScalingState(loss_scale, inner_state, counts, applied, state.loss_scale(),
-                          decision.grad_norm)
+  return LossScalingState(loss_scale, emitted.inner_state, counts, applied,
+                          state.loss_scale(), decision.grad_norm)

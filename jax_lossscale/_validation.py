@@ -1,5 +1,5 @@
 """Checks of hyperparameters and state given to constructors, and of a probe's arguments
-(a step's own are checked in `_step_args`): every error names the argument, the value and
+(a step's own are checked in `_transform`): every error names the argument, the value and
 what is allowed.
 
 A loss scale keeps its scale in float32 and its counters in int32, so every number is

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lossscale import _emit
 from jax_lossscale import _probes as pr
+from jax_lossscale import _transform
 from jax_lossscale import diagnostics
 
 # Applied steps equal an unscaled run to float rounding: the compiler may contract the
@@ -29,7 +29,7 @@ def force_branch(name: str):
   Jitted functions must be traced inside the context.
   """
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(_emit, "on_cpu", lambda: jnp.array(name == "cpu"))
+    patch.setattr(_transform, "on_cpu", lambda: jnp.array(name == "cpu"))
     yield
 
 

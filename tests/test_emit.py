@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import force_branch
 
-from jax_lossscale import _emit
+from jax_lossscale import _transform
 
 
 def run_fn(finite=None):
@@ -19,17 +19,17 @@ SKIPPED, KEPT = {"w": -jnp.zeros(2), "name": "mlp"}, {"mu": jnp.zeros(2)}
 
 
 def test_the_platform_flag_is_true_on_cpu_and_forcing_a_branch_fixes_it():
-  assert bool(jax.jit(_emit.on_cpu)()) == (jax.default_backend() == "cpu")
+  assert bool(jax.jit(_transform.on_cpu)()) == (jax.default_backend() == "cpu")
   for branch in ["cpu", "default"]:
     with force_branch(branch):
-      assert bool(jax.jit(_emit.on_cpu)()) == (branch == "cpu")
+      assert bool(jax.jit(_transform.on_cpu)()) == (branch == "cpu")
 
 
 def compiled_emit(branch, finite):
   """The compiled program of `emit` over 3 leaves, traced for `branch`."""
   def f(should_apply, w, mu, ok):
     run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None if finite is None else ok)
-    return _emit.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})
+    return _transform.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})
   w = jnp.ones((3, 4))
   with force_branch(branch):
     return jax.jit(f).lower(jnp.array(True), w, w, jnp.array(True)).compile().as_text()
@@ -47,7 +47,7 @@ def test_xla_keeps_the_cond_on_cpu_and_the_select_elsewhere(finite):
 def test_on_cpu_a_skipped_step_is_no_computation_it_passes_its_operands_through(finite):
   def apply_step(should_apply, w, mu, ok):  # as `apply_gradients`: a skipped step keeps `w`
     run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None if finite is None else ok)
-    return _emit.emit(should_apply, run, {"w": w}, {"mu": mu})
+    return _transform.emit(should_apply, run, {"w": w}, {"mu": mu})
   w = jnp.ones((3, 4))
   with force_branch("cpu"):
     program = jax.jit(apply_step).lower(jnp.array(True), w, w, jnp.array(True)).compile()
@@ -63,7 +63,7 @@ def test_on_cpu_a_skipped_step_is_no_computation_it_passes_its_operands_through(
 def test_a_program_exported_for_cpu_and_gpu_chooses_when_it_runs(should_apply):
   def step(should_apply, w, mu):
     run = lambda: ({"w": w * 2}, {"mu": mu + 1}, None)
-    return _emit.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})[:3]
+    return _transform.emit(should_apply, run, {"w": -jnp.zeros_like(w)}, {"mu": mu})[:3]
   w = jnp.ones(3)
   exported = jax.export.export(jax.jit(step), platforms=("cpu", "cuda"))(
       jnp.array(True), w, w)
@@ -77,7 +77,7 @@ def test_a_program_exported_for_cpu_and_gpu_chooses_when_it_runs(should_apply):
 @pytest.mark.parametrize("finite", [None, True, False])
 def test_both_branches_emit_the_same_results_with_static_leaves(branch, should_apply, finite):
   flag = None if finite is None else jnp.array(finite)
-  out, state, applied, updates_finite = _emit.emit(
+  out, state, applied, updates_finite = _transform.emit(
       jnp.array(should_apply), run_fn(flag), SKIPPED, KEPT)
   expected_applied = should_apply and finite is not False
   assert out["name"] == "mlp" and bool(applied) == expected_applied
