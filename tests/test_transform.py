@@ -5,6 +5,8 @@ and a select (the GPU/TPU branch), the latter forced on CPU by the `branch` fixt
 Products of options are covered pairwise: each pair of values meets in some case.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -132,6 +134,15 @@ def control_cases():
   return cases
 
 
+@functools.cache
+def control_run_without_batch(inner, model, k):
+  """`control_run` of `INNERS[inner]` on `MODELS[model]` over 12 batches less batch `k`,
+  computed once for the cases on either branch."""
+  init_params, loss, outputs = MODELS[model]
+  data = batches(12, outputs=outputs)
+  return control_run(INNERS[inner], init_params, loss, data[:k] + data[k + 1:])
+
+
 @pytest.mark.parametrize("inner, model, branch_name, fused", control_cases())
 def test_overflowed_step_is_skipped_like_a_control_run_without_that_batch(
     inner, model, branch_name, fused):
@@ -140,8 +151,7 @@ def test_overflowed_step_is_skipped_like_a_control_run_without_that_batch(
   tx = jls.loss_scaling(INNERS[inner], jls.DynamicLossScale(2.0**10, increment_period=3))
   with force_branch(branch_name):
     params, opt_state = run_poisoned(tx, init_params, loss, data, k, fused)
-  control_params, control_state = control_run(INNERS[inner], init_params, loss,
-                                              data[:k] + data[k + 1:])
+  control_params, control_state = control_run_without_batch(inner, model, k)
   assert_trees_close(params, control_params)
   assert_trees_close(opt_state.inner_state, control_state)
   # 5 finite steps (1 growth at step 3), 1 backoff, 6 finite steps (2 growths).
@@ -326,10 +336,17 @@ def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name(loss_scale):
     jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
+@functools.cache
+def sgd_for_losses(branch_name):
+  """One `loss_scaling(sgd)` per branch: its step, called without jit, is compiled once per
+  signature, so losses of the same type share it (traced in the first test of the branch)."""
+  return jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+
+
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), np.float32("nan"),
                                   jnp.array([1.0, jnp.nan])])
 def test_a_nonfinite_loss_of_any_kind_skips_the_step(loss, branch):
-  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(16.0))
+  tx = sgd_for_losses(branch)
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   updates, state = tx.update(grads, tx.init(PARAMS), PARAMS, loss=loss)
   assert int(state.nonfinite_loss_steps) == 1 and int(state.skipped_steps) == 1
@@ -367,8 +384,12 @@ def test_float16_parameters_with_default_adam_never_get_nan(fused, branch):
   chex.assert_trees_all_equal(new_params, params)
   assert int(state.nonfinite_update_steps) == 1 and int(state.skipped_steps) == 1
   assert float(state.loss_scale()) == 4.0  # not a growth, not a backoff
-  # With an eps that float16 can hold, the same step applies.
+
+
+def test_float16_parameters_with_an_eps_float16_can_hold_take_the_same_step(branch):
+  params = {"w": jnp.ones(2, jnp.float16), "f32": jnp.ones(3)}
   tx = jls.loss_scaling(optax.adam(1e-3, eps=1e-4), jls.DynamicLossScale(4.0))
+  grads = {"w": jnp.zeros(2, jnp.float16), "f32": jnp.ones(3)}
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert bool(state.last_applied) and bool(jls.all_finite(updates))
 
@@ -425,10 +446,12 @@ def test_lbfgs_given_the_scaled_gradients_as_grad_steps_like_plain_optax(max_nor
   start, inner = {"w": jnp.array([-1.2, 1.0, 0.5])}, optax.lbfgs()
   clipped = inner if max_norm is None else optax.chain(optax.clip_by_global_norm(max_norm), inner)
   theirs, their_state = start, clipped.init(start)
+  # Compiled once, as our step is: run eagerly, the line search compiles on every call.
+  their_update = jax.jit(clipped.update, static_argnames="value_fn")
   for _ in range(3):
     value, grads = jax.value_and_grad(rosenbrock)(theirs)
-    updates, their_state = clipped.update(grads, their_state, theirs, value=value, grad=grads,
-                                          value_fn=rosenbrock)
+    updates, their_state = their_update(grads, their_state, theirs, value=value, grad=grads,
+                                        value_fn=rosenbrock)
     theirs = optax.apply_updates(theirs, updates)
   tx = jls.loss_scaling(inner, jls.FixedLossScale(1024.0), clip_by_global_norm=max_norm)
   ours, state = start, tx.init(start)
@@ -519,16 +542,24 @@ def test_float8_parameters_with_float32_gradients_step_in_float32_and_round_back
 # --- skipped steps -----------------------------------------------------------------
 
 
+@functools.cache
+def adam_update(branch_name):
+  """`loss_scaling(adam)` and its jitted `update`, one per branch (traced in its first test
+  under that branch), shared by cases that differ only in values."""
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0))
+  return tx, jax.jit(tx.update)
+
+
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
 def test_a_single_bad_element_skips_with_negative_zero_updates_and_untouched_inner_state(
     bad, branch):
-  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0))
+  tx, update = adam_update(branch)
   state = tx.init(PARAMS)
   grads = jax.tree.map(jnp.ones_like, PARAMS)
-  _, state = tx.update(grads, state, PARAMS)
+  _, state = update(grads, state, PARAMS)
   bad_grads = jax.tree.map(jnp.ones_like, PARAMS)
   bad_grads["dense"]["bias"] = bad_grads["dense"]["bias"].at[1].set(bad)
-  updates, new_state = jax.jit(tx.update)(bad_grads, state, PARAMS)
+  updates, new_state = update(bad_grads, state, PARAMS)
   chex.assert_trees_all_equal(updates, jax.tree.map(lambda p: -jnp.zeros_like(p), PARAMS))
   assert all(np.signbit(u).all() for u in jax.tree.leaves(updates))
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
@@ -682,7 +713,7 @@ def test_clip_by_global_norm_under_vmap_clips_and_skips_per_member():
   params = {"w": jnp.zeros((3, 2))}
   grads = {"w": jnp.array([[0.6, 0.8], [6.0, 8.0], [jnp.nan, 1.0]])}
   states = jax.vmap(tx.init)(params)
-  updates, states = jax.vmap(tx.update)(grads, states, params)
+  updates, states = jax.jit(jax.vmap(tx.update))(grads, states, params)
   np.testing.assert_allclose(updates["w"], [[-0.3, -0.4], [-0.6, -0.8], [0.0, 0.0]], rtol=1e-6)
   assert list(np.asarray(states.skipped_steps)) == [0, 0, 1]
 
@@ -1003,7 +1034,8 @@ def test_axis_name_empty_keeps_an_ensemble_under_a_named_vmap_independent():
     params, state = tx.apply_gradients(grads, state, params)
     return params, state, jax.lax.pmean(state.loss_scale(), "ensemble")
 
-  _, states, _ = jax.vmap(step, axis_name="ensemble")(grads, jax.vmap(tx.init)(params), params)
+  _, states, _ = jax.jit(jax.vmap(step, axis_name="ensemble"))(
+      grads, jax.vmap(tx.init)(params), params)
   assert states.skipped_steps.tolist() == [0, 1, 0]
   assert states.loss_scale().tolist() == [2.0**15, 2.0**14, 2.0**15]
 
