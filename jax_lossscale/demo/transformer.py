@@ -119,7 +119,8 @@ class TransformerLM(nnx.Module):
       return Block(config, policy, rngs)
 
     self.blocks = blocks(rngs)
-    self.norm, self.head = norm(config.width), dense(config.width, vocab)
+    self.norm = norm(config.width)
+    self.head = dense(config.width, vocab)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -279,7 +280,8 @@ def run_all(config: Config, progress: bool = True) -> list[list[RunResult]]:
 
 def _spread(values: Sequence[float], fmt: str) -> str:
   """`mean`, or `mean ± half the range` over seeds."""
-  mean, half = format(np.mean(values), fmt), format(np.ptp(values) / 2, fmt.lstrip("+"))
+  mean = format(np.mean(values), fmt)
+  half = format(np.ptp(values) / 2, fmt.lstrip("+"))
   return mean if len(values) == 1 else f"{mean} ± {half}"
 
 
@@ -372,10 +374,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   a = parser.parse_args(argv)
   config = Config(a.steps, a.batch, a.context, a.width, layers=a.layers,
                   learning_rate=a.learning_rate, seeds=tuple(a.seeds))
-  start, data, runs = time.perf_counter(), Text.load(), run_all(config)
+  start = time.perf_counter()
+  data = Text.load()
+  runs = run_all(config)
   run = runs[0][3]  # float16, MeasuredLossScale(margin=1): the hand-cast model
   model = with_params(run.params, config, data.vocab, FLOAT16)
-  scale, tokens = run.final_scale, held_out(data, config, run.seed)
+  scale = run.final_scale
+  tokens = held_out(data, config, run.seed)
   print(f"\nPer layer, the trained model of {run.name} (seed {run.seed}), one float16 "
         f"backward pass on {config.batch}x{config.context} held-out tokens:\n")
   print(format_layers(layer_rows(model, tokens, 1.0), layer_rows(model, tokens, scale), scale))
