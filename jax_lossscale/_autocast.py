@@ -60,7 +60,7 @@ from jax import lax
 
 from jax_lossscale import _jax_internals as internals
 from jax_lossscale import _policy
-from jax_lossscale._probes import _copier
+from jax_lossscale import _trees
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 
@@ -129,7 +129,7 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    leaves, rebuild = _copier((args, kwargs))
+    leaves, rebuild = _trees.copier((args, kwargs))
     arrays = [leaf for leaf in leaves if _is_array(leaf)]
 
     def traced(*new_arrays):
@@ -315,7 +315,7 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   Returns:
     A `PrecisionSummary`; `print` it for the table.
   """
-  leaves, rebuild = _copier((args, kwargs))
+  leaves, rebuild = _trees.copier((args, kwargs))
   wrt = [i for i, leaf in enumerate(leaves) if _is_array(leaf) and _is_floating(leaf)]
 
   def forward(arrays):

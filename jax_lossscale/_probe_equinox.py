@@ -11,20 +11,18 @@ Two ways to place them, tried in this order (`_probes.equinox_views`):
 
 from __future__ import annotations
 
-import contextvars
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax_lossscale import _probe_intercept
 from jax_lossscale import _probes
 from jax_lossscale import _trees
-from jax_lossscale._probe_frameworks import calls_probed
-from jax_lossscale._probe_frameworks import probe_output
-from jax_lossscale._probe_frameworks import stacked_length
-from jax_lossscale._probe_frameworks import while_probing
+from jax_lossscale._probe_outputs import probe_output
+from jax_lossscale._probe_outputs import stacked_length
+from jax_lossscale._probe_outputs import while_probing
 
 
 def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,66 +50,16 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   """
   def probed(model, *args, **kwargs):
     if _probes.equinox_views():
-      return fun(_equinox_view(model, ()), *args, **kwargs)
-    placement = _EquinoxPlacement(model)
-    token = _EQUINOX.set(placement)
-    try:
-      with calls_probed(placement.classes, _equinox_call):
-        return fun(model, *args, **kwargs)
-    finally:
-      _EQUINOX.reset(token)
+      return fun(_view(model, ()), *args, **kwargs)
+    with _probe_intercept.equinox_calls(model, _view):
+      return fun(model, *args, **kwargs)
 
   return while_probing(fun, probed)
 
 
-_EQUINOX = contextvars.ContextVar("equinox_placement", default=None)
-
-
-class _EquinoxPlacement:
-  """Where each module and array of `model` is, to find the modules the loss calls."""
-
-  def __init__(self, model):
-    import equinox as eqx
-
-    self.viewing = False  # inside a view, whose own wrappers probe
-    modules = [((), model)]
-    for path, module in modules:  # and the submodules appended as it goes
-      sub = lambda x, module=module: isinstance(x, eqx.Module) and x is not module
-      modules += [(path + key, child) for key, child in jax.tree_util.tree_flatten_with_path(
-          module, is_leaf=sub)[0] if sub(child)]
-    self.classes = {type(m) for _, m in modules if callable(m)}
-    self.paths = {id(leaf): path for path, leaf in jax.tree_util.tree_leaves_with_path(
-        model) if eqx.is_array(leaf)}
-
-  def find(self, module) -> tuple | None:
-    """`module`'s path in the model, found by its arrays; None if not the model's."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(module):
-      at = self.paths.get(id(leaf))
-      if at is not None and at[len(at) - len(path):] == path:
-        return at[:len(at) - len(path)]
-    return None
-
-
-def _equinox_call(call):
-  @functools.wraps(call)
-  def __call__(self, *args, **kwargs):
-    placement = _EQUINOX.get()
-    # Inside a view, or through super().__call__: the module's own call.
-    found = None if placement is None or placement.viewing or type(
-        self).__call__ is not __call__ else placement.find(self)
-    if found is None:
-      return call(self, *args, **kwargs)
-    placement.viewing = True
-    try:
-      return _equinox_view(self, found)(*args, **kwargs)
-    finally:
-      placement.viewing = False
-
-  __call__._probes_output = True
-  return __call__
-
-
-def _equinox_view(module, path, inherited: int | None = None):
+def _view(module, path, inherited: int | None = None):
+  """`module`, its layers probed: named by their `path` in the model, with a row index
+  where their arrays are stacked (or the stack they are in, `inherited`, is)."""
   import equinox as eqx
 
   arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
@@ -119,40 +67,22 @@ def _equinox_view(module, path, inherited: int | None = None):
   is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
   children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
   view = jax.tree.unflatten(treedef, [
-      _equinox_view(child, path + key, length) if is_submodule(child) else child
+      _view(child, path + key, length) if is_submodule(child) else child
       for key, child in children])
   if not callable(module):  # not a layer (a StateIndex, found by its type)
     return view
   if length is not None and not _probes.stacked_rows():
     length = None
   index = None if length is None else jnp.arange(length)
-  return _equinox_probed()(view, index, _trees.path_name(path) or type(module).__name__, length)
+  tag = (_trees.path_name(path) or type(module).__name__, length)
+  return _probe_intercept.equinox_view_class()(view, index, tag, _probed_output)
 
 
-@functools.cache  # one class, made when equinox is first needed
-def _equinox_probed():
+def _probed_output(out, index, tag):
+  """A layer's output probed: `out` of a stateful layer's `(out, state)`."""
   import equinox as eqx
 
-  class Probed(eqx.Module):
-    """A module probing its output; attributes and `isinstance` reach the module."""
-    module: Any
-    index: jax.Array | None
-    name: str = eqx.field(static=True)
-    length: int | None = eqx.field(static=True)
-
-    def __call__(self, *args, **kwargs):
-      out = self.module(*args, **kwargs)
-      stateful = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
-      probed = probe_output(out[0] if stateful else out, self.name, self.index, self.length)
-      return (probed, out[1]) if stateful else probed
-
-    def __getattr__(self, attribute):
-      if attribute == "module":  # not set yet: no recursion
-        raise AttributeError(attribute)
-      return getattr(self.module, attribute)
-
-    @property
-    def __class__(self):
-      return type(self.module)
-
-  return Probed
+  name, length = tag
+  stateful = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
+  probed = probe_output(out[0] if stateful else out, name, index, length)
+  return (probed, out[1]) if stateful else probed

@@ -16,50 +16,21 @@ are summed instead (`_probes.stacked_rows`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax_lossscale import _probe_equinox
+from jax_lossscale import _probe_intercept
 from jax_lossscale import _probes
 from jax_lossscale import _trees
-
-_NAME, _INDEX, _LENGTH = "_probe_name", "_probe_index", "_probe_length"
-
-
-def probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
-  """`probe` on each array of a module's output: `name`, or `name/key` for several."""
-  leaves = jax.tree_util.tree_leaves_with_path(out)
-  if index is not None and jnp.ndim(index) != 0:  # not sliced by a scan: no rows
-    index = length = None
-
-  def one(path, leaf):
-    if not hasattr(leaf, "dtype"):  # a string, a Python number: not measured
-      return leaf
-    where = name if len(leaves) == 1 else f"{name}/{_trees.path_name(path)}"
-    return _probes.probe(leaf, where, index=index, length=length)
-
-  return jax.tree_util.tree_map_with_path(one, out)
-
-
-def stacked_length(arrays) -> int | None:
-  """The leading axis all `arrays` share (a stack of layers, maybe), or None."""
-  leading = {a.shape[0] if a.ndim else None for a in arrays}
-  return leading.pop() if len(leading) == 1 else None
-
-
-def while_probing(fun: Callable[..., Any], probed: Callable[..., Any]) -> Callable[..., Any]:
-  """`probed` while probes are measured, `fun` itself otherwise."""
-  @functools.wraps(fun)
-  def call(*args, **kwargs):
-    return (probed if _probes.probing() else fun)(*args, **kwargs)
-  return call
-
+from jax_lossscale._probe_outputs import probe_output
+from jax_lossscale._probe_outputs import stacked_length
+from jax_lossscale._probe_outputs import while_probing
 
 # --- flax linen ---------------------------------------------------------------------
 
@@ -83,23 +54,22 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   """
   from flax import linen
 
-  def interceptor(roots, applied, next_fun, args, kwargs, context):
+  def on_call(roots, applied, module, method_name, call):
     # The model applied is the module of empty path being called (a module cloned by a
     # lifted transform, `nn.remat(nn.Dense)`, has a Scope for parent but a path; one
     # sharing its parent's scope, `nn.share_scope`, a Module for parent).
-    module = context.module
     top = not module.path and not isinstance(module.parent, linen.Module)
     applied += [type(module)] if top else []
     try:
-      out = next_fun(*args, **kwargs)
+      out = call()
     finally:
       del applied[len(applied) - top:]
-    if context.method_name != "__call__":
+    if method_name != "__call__":
       return out
     root = applied[-1] if applied else parents_root(module)  # `method=lambda m: m.encoder`
     roots.setdefault(root, len(roots))  # in the order met, alike in both passes
-    path = context.module.path if not roots[root] else (root.__name__, *context.module.path)
-    return probe_output(out, _trees.path_name(path) or type(context.module).__name__)
+    path = module.path if not roots[root] else (root.__name__, *module.path)
+    return probe_output(out, _trees.path_name(path) or type(module).__name__)
 
   def parents_root(module):
     while isinstance(module.parent, linen.Module):
@@ -110,7 +80,7 @@ def linen_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   def probed(*args, **kwargs):
     if not _probes.probing():
       return fun(*args, **kwargs)
-    with linen.intercept_methods(functools.partial(interceptor, {}, [])):
+    with _probe_intercept.linen_calls(functools.partial(on_call, {}, [])):
       return fun(*args, **kwargs)
 
   return probed
@@ -138,86 +108,41 @@ def nnx_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     The probed `fun`.
   """
   def probed(model, *args, **kwargs):
-    with _nnx_annotated(model) as classes, calls_probed(classes):
+    from flax import nnx
+
+    modules = dict(nnx.iter_modules(model))
+    with _probe_intercept.nnx_annotated(_annotations(modules)), \
+        _probe_intercept.calls_wrapped({type(m) for m in modules.values()}, _probed_call):
       return fun(model, *args, **kwargs)
 
   return while_probing(fun, probed)
 
 
-@contextlib.contextmanager
-def _nnx_annotated(model):
+def _annotations(modules: dict) -> list[tuple[Any, dict[str, Any]]]:
+  """Each module's name, and the row index and length of the stack it is in, if any."""
   from flax import nnx
 
-  modules = dict(nnx.iter_modules(model))
   params = {path: jax.tree.leaves(nnx.state(module, nnx.Param))
             for path, module in modules.items()}
   lengths = {path: stacked_length(p) if p else None for path, p in params.items()}
-  try:
-    for path, module in modules.items():
-      length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
-                     if lengths.get(path[:i]) is not None), None)
-      setattr(module, _NAME, _trees.path_name(path) or type(module).__name__)
-      if length is not None and _probes.stacked_rows():
-        setattr(module, _INDEX, nnx.Variable(jnp.arange(length)))
-        setattr(module, _LENGTH, length)
-    yield {type(module) for module in modules.values()}
-  finally:
-    for module in modules.values():
-      for attribute in (_NAME, _INDEX, _LENGTH):
-        if attribute in vars(module):
-          delattr(module, attribute)
+  annotations = []
+  for path, module in modules.items():
+    length = next((lengths[path[:i]] for i in range(len(path), -1, -1)
+                   if lengths.get(path[:i]) is not None), None)
+    values = {"name": _trees.path_name(path) or type(module).__name__}
+    if length is not None and _probes.stacked_rows():
+      values.update(index=jnp.arange(length), length=length)
+    annotations.append((module, values))
+  return annotations
 
 
-_PATCHED: dict[type, list] = {}  # class -> [contexts inside, its own `__call__` or None]
-_PATCHING = threading.Lock()
-
-
-@contextlib.contextmanager
-def calls_probed(classes, wrap=None):
-  """Each class's `__call__`, wrapped by `wrap` (default: NNX's probing call), inside it.
-
-  Threads tracing at once share the patch: the first context in patches a class, the
-  last out restores it (the wrapper probes only for a context that measures).
-  """
-  entered = []
-  with _PATCHING:
-    for cls in classes:
-      if cls in _PATCHED:
-        _PATCHED[cls][0] += 1
-      elif getattr(cls.__call__, "_probes_output", False):
-        continue  # a subclass of a patched class, or marked unprobed
-      else:
-        _PATCHED[cls] = [1, cls.__dict__.get("__call__")]
-        cls.__call__ = (wrap or _probing_call)(cls.__call__)
-      entered.append(cls)
-  try:
-    yield
-  finally:
-    with _PATCHING:
-      for cls in entered:
-        _PATCHED[cls][0] -= 1
-        if not _PATCHED[cls][0]:
-          own = _PATCHED.pop(cls)[1]
-          if own is None:
-            del cls.__call__
-          else:
-            cls.__call__ = own
-
-
-def _probing_call(call):
-  @functools.wraps(call)
-  def __call__(self, *args, **kwargs):
-    out = call(self, *args, **kwargs)
-    # Through super().__call__, only the outermost wrapper probes.
-    if type(self).__call__ is not __call__ or not hasattr(self, _NAME):
-      return out
-    index = getattr(self, _INDEX, None)
-    return probe_output(out, getattr(self, _NAME),
-                         None if index is None else index.get_value(),
-                         getattr(self, _LENGTH, None))
-
-  __call__._probes_output = True
-  return __call__
+def _probed_call(module, call, args, kwargs):
+  out = call(*args, **kwargs)
+  name = _probe_intercept.nnx_annotation(module, "name")
+  if name is None:  # another thread's model, in a class both patch
+    return out
+  return probe_output(out, name, _probe_intercept.nnx_annotation(module, "index"),
+                      _probe_intercept.nnx_annotation(module, "length"))
 
 
 def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -234,7 +159,6 @@ def placed(fun: Callable[..., Any]) -> Callable[..., Any]:
     if nnx is not None and isinstance(first, nnx.Module):
       adapted = nnx_probes(adapted)
     elif eqx is not None and isinstance(first, eqx.Module):
-      from jax_lossscale import _probe_equinox
       adapted = _probe_equinox.equinox_probes(adapted)
     if "flax.linen" in sys.modules:
       adapted = linen_probes(adapted)

@@ -10,9 +10,9 @@ input of the probe (no host callback)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from jax_lossscale import _jax_internals
+from jax_lossscale import _probe_intercept
 from jax_lossscale import _probe_order
 from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
@@ -73,8 +74,21 @@ class Probes(Mapping):
     return len(self.names)
 
 
-# Part of jit's cache key: a jit inside the loss is traced again for measuring.
+# Part of jit's cache key: a jit inside the loss is traced again for each pass.
 _SESSION = _jax_internals.user_context(None)
+
+
+@contextlib.contextmanager
+def _pass(session: _Discovery | _Measurement) -> Iterator[None]:
+  """`session` set while a pass traces the loss, and the tracers it holds dropped after:
+  JAX's caches keep it, in the keys of the jits that the loss called."""
+  try:
+    with _SESSION(session):
+      yield
+  finally:
+    session.returned.clear()
+    if isinstance(session, _Measurement):
+      session.stats.clear()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -104,7 +118,7 @@ class _Discovery:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Measurement:
   """Second pass: each probe measures into its stats input."""
-  stats: Mapping[str, jax.Array]
+  stats: dict[str, jax.Array]
   sizes: Mapping[str, int | None]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
@@ -219,7 +233,9 @@ def _measure_fwd(length, fractions, x, stats, index):
   Inside `shard_map` they vary like `stats`, which may vary over more axes than `x` (a
   tensor replicated across devices), as the cotangent of `stats` must."""
   del length
-  return x, (_trees.varying_like(_probe_stats.values(x, fractions), stats), index)
+  with _SESSION(None):  # out of jit's cache key: `values` is compiled once per shape
+    forward = _probe_stats.values(x, fractions)
+  return x, (_trees.varying_like(forward, stats), index)
 
 
 def _measure_bwd(length, fractions, residuals, g):
@@ -278,7 +294,7 @@ def value_and_grad_with_probes(
     def measured(*packed, **kw):
       unpacked = list(packed)
       unpacked[first], stats = packed[first]
-      with _SESSION(_Measurement(stats, sizes, **options)):
+      with _pass(_Measurement(dict(stats), sizes, **options)):
         return fun(*unpacked, **kw)
 
     packed = list(args)
@@ -294,32 +310,20 @@ def value_and_grad_with_probes(
 
 
 def _discover_with_fallbacks(fun, args, kwargs):
-  """`(options, _discover(...))`: with the adapters' stacked rows and equinox views; if
-  the first pass fails with them, without the rows, then without the views. If none
-  works, the last error is raised: it is the loss's own, once no option is in the way."""
-  errors, used = [], set()
-  for rows, views in ((True, True), (False, True), (True, False), (False, False)):
-    if (not rows and "rows" not in used) or (not views and "views" not in used):
-      continue  # turning off an option that was not used changes nothing
-    session = _Discovery({}, rows=rows, views=views)
-    try:
-      found = _discover(session, fun, args, kwargs)
-      return {"rows": rows, "views": views, "skipped": session.skipped}, found
-    except Exception as error:  # raised below
-      errors.append(error)
-      used |= session.used
-      if not session.used:
-        break
-  if len(errors) > 1:
-    errors[-1].add_note(f"probes: the first pass also failed with the adapters' stacked "
-                        f"rows or equinox views: {type(errors[0]).__name__}: {str(errors[0]):.300}")
-  raise errors[-1]
+  """`(options, _discover(...))`, with the adapters' options that the first pass works
+  with (`_probe_intercept.first_pass`)."""
+  def attempt(options, used):
+    session = _Discovery({}, rows=options.rows, views=options.views, used=used)
+    return session.skipped, _discover(session, fun, args, kwargs)
+
+  options, (skipped, found) = _probe_intercept.first_pass(attempt)
+  return {"rows": options.rows, "views": options.views, "skipped": skipped}, found
 
 
 def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple]:
   """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
   their sizes and `Probes.order`."""
-  leaves, rebuild = _copier((args, kwargs))
+  leaves, rebuild = _trees.copier((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
   def traced(arrays):  # other leaves (functions, strings) are closed over
@@ -327,7 +331,7 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple
                                                                    strict=True)])
     fun(*a, **k)
 
-  with _SESSION(session):
+  with _pass(session):
     program = jax.make_jaxpr(traced)([leaf if array else None for leaf, array in zip(
         leaves, is_array, strict=True)])
   # Inside shard_map, each device's own: stats varying over the mesh, as under pmap.
@@ -341,20 +345,6 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple
              for name, n in session.lengths.items()}
   return stats, session.sizes, _probe_order.forward_order(
       session.lengths, session.hits, _probe_order.loops(program.jaxpr))
-
-
-def _copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
-  """`(leaves, rebuild)`: `tree`'s leaves, and `rebuild(new_leaves)`, a copy of `tree`
-  holding them. With NNX modules in `tree`, by NNX's split and merge, which keep a
-  module held twice (`self.c = self.a`) one object, as `nnx.value_and_grad` does."""
-  nnx = sys.modules.get("flax.nnx")
-  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
-  if any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module))):
-    graphdef, state = nnx.split(tree)
-    leaves, treedef = jax.tree.flatten(state)
-    return leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
-  leaves, treedef = jax.tree.flatten(tree)
-  return leaves, lambda new: jax.tree.unflatten(treedef, new)
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

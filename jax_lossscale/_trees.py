@@ -1,4 +1,5 @@
-"""Tree utilities: which leaves take part in loss scaling, and choosing between trees.
+"""Tree utilities: which leaves take part in loss scaling, choosing between trees, copying
+them, and naming a leaf by its key path.
 
 A gradient tree may hold more than floating arrays: `None` for parameters without
 gradients, integer or boolean arrays, and, in equinox-style modules, strings, functions
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,6 +87,20 @@ def partition(tree: Any) -> tuple[Any, Any]:
   arrays = jax.tree.map(lambda x: x if is_array(x) else None, tree)
   static = jax.tree.map(lambda x: None if is_array(x) else x, tree)
   return arrays, static
+
+
+def copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
+  """`(leaves, rebuild)`: `tree`'s leaves, and `rebuild(new_leaves)`, a copy of `tree`
+  holding them. With NNX modules in `tree`, by NNX's split and merge, which keep a
+  module held twice (`self.c = self.a`) one object, as `nnx.value_and_grad` does."""
+  nnx = sys.modules.get("flax.nnx")
+  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
+  if any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module))):
+    graphdef, state = nnx.split(tree)
+    leaves, treedef = jax.tree.flatten(state)
+    return leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+  leaves, treedef = jax.tree.flatten(tree)
+  return leaves, lambda new: jax.tree.unflatten(treedef, new)
 
 
 def updates_like(grads: Any, params: Any) -> Any:

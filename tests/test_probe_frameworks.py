@@ -361,19 +361,3 @@ def test_nnx_a_module_held_under_two_names_is_one_row_hit_at_each_call():
                             lambda m, x: m(x).sum(), Tied(nnx.Rngs(0)), jnp.ones((2, 3)))
   assert hits == [("a", 2), ("b", 1)]
 
-
-def test_overlapping_probing_contexts_keep_a_class_patched_until_the_last_one_leaves():
-  # Two threads tracing at once: the first to finish restored the class while the other
-  # still traced, whose probes then went unreached or unmeasured.
-  class Layer(nnx.Module):
-    def __call__(self, x):
-      return x
-
-  original = Layer.__call__
-  first, second = pf.calls_probed({Layer}), pf.calls_probed({Layer})
-  first.__enter__()
-  second.__enter__()
-  first.__exit__(None, None, None)
-  assert Layer.__call__ is not original and Layer.__call__._probes_output
-  second.__exit__(None, None, None)
-  assert Layer.__call__ is original
