@@ -1,6 +1,7 @@
 """README and the guide: every Python block runs, every link resolves, the site builds
 cleanly with the notebooks rendered, and CI runs README's test command."""
 
+import json
 import pathlib
 import re
 import subprocess
@@ -15,14 +16,31 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("document", [d for d in DOCUMENTS if blocks(d)], ids=lambda p: p.name)
-def test_every_python_block_runs(document):
+RUNNABLE = [d for d in DOCUMENTS if blocks(d)]
+
+
+@pytest.fixture(scope="module")
+def ran_documents(tmp_path_factory):
+  """Every document's blocks, run by `code_blocks.py` in one subprocess (JAX starts once),
+  each document in a namespace of its own: `({document's name: None, or the traceback},
+  the subprocess's exit status, its output)`."""
+  report = tmp_path_factory.mktemp("code_blocks") / "report.json"
   result = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "code_blocks.py"), str(document)],
+      [sys.executable, str(ROOT / "tests" / "code_blocks.py"), "--report", str(report),
+       *map(str, RUNNABLE)],
       env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
       capture_output=True, text=True, timeout=600, cwd=ROOT / "tests",
   )
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+  failures = json.loads(report.read_text()) if report.exists() else {}
+  return failures, result.returncode, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+@pytest.mark.parametrize("document", RUNNABLE, ids=lambda p: p.name)
+def test_every_python_block_runs(document, ran_documents):
+  failures, returncode, output = ran_documents
+  assert document.name in failures, output  # the process ended before this document ran
+  assert failures[document.name] is None, failures[document.name][-6000:]
+  assert returncode == any(failures.values()), output  # nothing failed after the documents
 
 
 def test_the_docs_build_without_warnings_with_the_notebooks_rendered(tmp_path):
