@@ -1,8 +1,12 @@
 """The transformer demo: it runs end to end, and its probes read each layer's backward pass.
 
-Tiny sizes (a few steps of a few short sequences), so the whole file runs in seconds
-after compilation; the full demo's numbers are in the README.
+Small sizes: the demo's command runs once, for 30 steps of 32 sequences (long enough to
+compare its float32 and autocast runs' held-out losses), the probes on a few short
+sequences; the full demo's numbers are in the README.
 """
+
+import contextlib
+import io
 
 import jax
 import jax.numpy as jnp
@@ -63,16 +67,26 @@ def probed_step(model, tokens, scale=1.0):
   return nnx.jit(grad_fn)(opt_state, model, tokens)
 
 
-def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(
-    tmp_path, capsys, monkeypatch):
-  out, results, run_all = tmp_path / "plot.png", [], transformer.run_all
-  monkeypatch.setattr(transformer, "run_all",
-                      lambda *a, **k: results.append(run_all(*a, **k)) or results[-1])
-  demo.main(["--model", "transformer", "--steps", "3", "--batch", "8", "--context", "16",
-             "--out", str(out)])
-  for run in results[0][0][1:]:  # the float16 runs
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+  """`python -m jax_lossscale.demo --model transformer` at SMALL's sizes: `(its runs, what it
+  printed, the plot's path)`."""
+  out = tmp_path_factory.mktemp("demo") / "plot.png"
+  results = []
+  run_all = transformer.run_all
+  printed = io.StringIO()
+  with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+    patch.setattr(transformer, "run_all",
+                  lambda *a, **k: results.append(run_all(*a, **k)) or results[-1])
+    demo.main(["--model", "transformer", "--steps", str(SMALL.steps), "--batch",
+               str(SMALL.batch), "--context", str(SMALL.context), "--out", str(out)])
+  return results[0], printed.getvalue(), out
+
+
+def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(demo_run):
+  runs, printed, out = demo_run
+  for run in runs[0][1:]:  # the float16 runs
     assert np.isfinite(run.logs["loss"]).all() and np.isfinite(run.eval_loss), run.name
-  printed = capsys.readouterr().out
   for layer in ["embed", "blocks/norm_1[0]", "blocks/attention/qkv[0]", "blocks/up[1]",
                 "blocks[1]", "norm", "head", "parameter gradients"]:
     assert f"\n{layer} " in printed, layer
@@ -121,15 +135,6 @@ def test_losses_over_seeds_are_reported_as_mean_and_half_the_range():
   assert "2**15/2**15" in table and "0.00% /  25.0%" in table
 
 
-@pytest.fixture(scope="module")
-def float32_and_autocast_runs(data):
-  return [transformer.evaluate(
-      transformer.train(name, data, SMALL, policy, loss_scale, seed=0, progress=False),
-      data, SMALL, policy)
-      for name, policy, loss_scale in transformer.plan() if "float16," not in name or
-      policy is transformer.AUTOCAST]
-
-
 def test_the_autocast_runs_model_is_built_with_flaxs_defaults_in_float32(data):
   model = transformer.TransformerLM(TINY, data.vocab, transformer.AUTOCAST, nnx.Rngs(0))
   rngs = nnx.Rngs(0)
@@ -153,10 +158,13 @@ def test_the_autocast_runs_step_computes_its_matmuls_in_float16_and_its_softmax_
     assert summary.count("exp", jnp.float16, backward) == 0
 
 
-def test_the_autocast_run_trains_in_float32_weights_to_float32s_held_out_loss(
-    float32_and_autocast_runs):
-  reference, run = float32_and_autocast_runs
+def test_the_autocast_run_trains_in_float32_weights_to_float32s_held_out_loss(demo_run):
+  (runs,), _, _ = demo_run  # one seed
+  reference = runs[0]
+  run = runs[4]
+  assert reference.name == "float32"
   assert run.name == "float16, autocast + MeasuredLossScale(margin=1)"
+  assert run.logs["loss"].shape == (SMALL.steps,) and reference.seed == run.seed == 0
   assert {p.dtype for p in jax.tree.leaves(run.params)} == {jnp.dtype("float32")}
   assert run.eval_loss < 2.6 and reference.eval_loss < 2.6  # from 3.5 nats: both learned
   assert abs(run.eval_loss / reference.eval_loss - 1) < TOLERANCE, (run.eval_loss,
