@@ -31,10 +31,10 @@ import optax
 from flax import nnx
 
 import jax_lossscale as jls
-from jax_lossscale import _probe_frameworks
-from jax_lossscale import _probes
 from jax_lossscale.demo import transformer
 from jax_lossscale.demo.text import Text
+from jax_lossscale.probes import core
+from jax_lossscale.probes import placed
 
 GROUPS = {
     "Linear, Embed": (nnx.Linear, nnx.Embed),
@@ -126,8 +126,8 @@ def probed_elements(model, tokens) -> dict[str, int]:
   """Per group (and for all), the activation elements its probes measure in one step."""
   def count(classes):
     session = _Sizes({})
-    with unprobed(classes), _probes._SESSION(session):
-      nnx.eval_shape(_probe_frameworks.placed(transformer.loss_fn), model, tokens)
+    with unprobed(classes), core._SESSION(session):
+      nnx.eval_shape(placed(transformer.loss_fn), model, tokens)
     return sum(session.seen.values())
 
   total = count(())
@@ -139,7 +139,7 @@ def unprobed_program_is_unchanged(model, tokens) -> bool:
   graphdef, state = nnx.split(model)
   jaxpr = lambda f: str(jax.make_jaxpr(
       lambda s, t: nnx.grad(f)(nnx.merge(graphdef, s), t))(state, tokens))
-  return jaxpr(transformer.loss_fn) == jaxpr(_probe_frameworks.placed(transformer.loss_fn))
+  return jaxpr(transformer.loss_fn) == jaxpr(placed(transformer.loss_fn))
 
 
 def report(config, reps, median, bytes_accessed, temp_bytes, elements, compiled) -> None:

@@ -23,12 +23,12 @@ from jax_lossscale import _eager
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
-from jax_lossscale import _probe_stats
-from jax_lossscale import _probes
 from jax_lossscale import _serialization
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale.probes import Probes
+from jax_lossscale.probes import largest_gradient
 
 # --- the state ---------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
   else:
     grads_finite, grad_norm, unscaling = _clipped(grads, unscaling, max_norm)
   grad_norm = _finite.agree_max(grad_norm, axis_name) if norm else None
-  if probes is not None and not isinstance(probes, _probes.Probes):
+  if probes is not None and not isinstance(probes, Probes):
     raise TypeError("`probes` must be what `scaled_value_and_grad(..., probes=True)` "
                     f"returned (a diagnostics.Probes), got {type(probes).__name__}.")
   measured = None
@@ -327,7 +327,7 @@ def _measured(largest: list, probes: Any) -> jax.Array:
   activation gradient (its binade's top where a probe was hit several times)."""
   measured = _finite.largest_of(largest)
   if probes:
-    measured = jnp.maximum(measured, _probe_stats.largest_gradient(probes.encoded))
+    measured = jnp.maximum(measured, largest_gradient(probes.encoded))
   return measured
 
 

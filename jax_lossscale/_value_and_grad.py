@@ -14,11 +14,12 @@ from jax_lossscale import _eager
 from jax_lossscale import _finite
 from jax_lossscale import _monitoring
 from jax_lossscale import _numerics
-from jax_lossscale import _probe_frameworks
-from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._transform import LossScalingState
+from jax_lossscale.probes import all_reduce_probes
+from jax_lossscale.probes import placed
+from jax_lossscale.probes import value_and_grad_with_probes
 
 
 class _Value(NamedTuple):
@@ -86,7 +87,7 @@ def scaled_value_and_grad(
       moves), or if `value_and_grad` does not return `(value, grads)`.
   """
   name = getattr(fun, "__name__", type(fun).__name__)
-  measured_fun = _probe_frameworks.placed(fun) if probes else fun
+  measured_fun = placed(fun) if probes else fun
   extra = {} if argnums == 0 and value_and_grad is not jax.value_and_grad \
       else {"argnums": argnums}
 
@@ -96,7 +97,7 @@ def scaled_value_and_grad(
       return loss_scale.scale(loss), _Value(loss, aux)
 
     if probes:
-      *result, measurements = _probes.value_and_grad_with_probes(
+      *result, measurements = value_and_grad_with_probes(
           _checked(value_and_grad), scaled, argnums, has_aux=True)(*args, **kwargs)
     else:
       result = value_and_grad(scaled, has_aux=True, **extra)(*args, **kwargs)
@@ -108,7 +109,7 @@ def scaled_value_and_grad(
     if not probes:
       return value, grads
     if axis_name is not None:
-      measurements = _probes.all_reduce_probes(measurements, axis_name)
+      measurements = all_reduce_probes(measurements, axis_name)
     return value, grads, measurements
 
   compiled = _eager.CompiledBySignature(differentiated)

@@ -25,15 +25,14 @@ from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
-from jax_lossscale import _probes
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
-from jax_lossscale._probe_stats import ProbeSummary
-from jax_lossscale._probe_stats import TensorSummary
-from jax_lossscale._probes import LOSS
-from jax_lossscale._probes import Probes
-from jax_lossscale._probes import probe
+from jax_lossscale.probes import LOSS
+from jax_lossscale.probes import Probes
+from jax_lossscale.probes import ProbeSummary
+from jax_lossscale.probes import TensorSummary
+from jax_lossscale.probes import probe
 
 __all__ = ("LOSS", "LossScaleAdvice", "ProbeSummary", "Probes", "TensorSummary",
            "backward_overflow_origin", "forward_nonfinite_origin", "gradient_stats", "headroom",
@@ -270,7 +269,7 @@ def backward_overflow_origin(probes: Probes) -> str | None:
   if not bad:
     return None
   return next((where for where, summary in order[bad[-1] + 1:] if np.any(summary.hits > 0)),
-              _probes.LOSS)
+              LOSS)
 
 
 def forward_nonfinite_origin(probes: Probes) -> str | None:

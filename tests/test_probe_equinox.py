@@ -16,9 +16,8 @@ from helpers import scale_backward
 from jax import lax
 
 import jax_lossscale as jls
-from jax_lossscale import _probe_equinox as pe
-from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
 
 F16 = jnp.float16
 X, Y = float16_normal(0, (16, 4)), float16_normal(1, (16, 2))
@@ -68,7 +67,7 @@ def test_equinox_trains_with_a_probed_view_and_one_row_per_stacked_block():
   tx = optax.adam(1e-2)
   opt_state = tx.init(eqx.filter(model, eqx.is_array))
   grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
-                                          pe.equinox_probes(eqx_loss))
+                                          pr.equinox_probes(eqx_loss))
 
   @eqx.filter_jit
   def step(model, opt_state):
@@ -91,7 +90,7 @@ def test_equinox_an_overflow_in_the_third_stacked_block_is_named_by_its_row():
   model = EqxModel(jax.random.key(0))
   model = eqx.tree_at(lambda m: m.blocks.factor, model, jnp.array([1.0, 1.0, jnp.inf]))
   grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
-                                          pe.equinox_probes(eqx_loss))
+                                          pr.equinox_probes(eqx_loss))
   _, grads, probes = grad_fn(model, X, Y)
   chex.assert_trees_all_equal_structs(grads, eqx.filter(model, eqx.is_inexact_array))
   assert diagnostics.backward_overflow_origin(probes) == "blocks[2]"
@@ -113,7 +112,7 @@ def test_equinox_two_stacks_of_one_depth_are_read_in_forward_order():
   model = TwoStacks(eqx.filter_vmap(EqxBlock)(keys[:3]), eqx.filter_vmap(EqxBlock)(keys[3:]))
   model = eqx.tree_at(lambda m: m.decoder.factor, model, jnp.array([jnp.inf, 1.0, 1.0]))
   loss = lambda m, x: jnp.sum(jax.vmap(m)(x).astype(jnp.float32))
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pe.equinox_probes(loss))
+  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))
   probes = grad_fn(model, jnp.ones((4, 8), F16))[2]
   rows = lambda stack: [f"{stack}{p}[{i}]" for i in range(3) for p in ("/linear", "")]
   assert [name for name, _ in diagnostics.layers(probes)] == [
@@ -140,7 +139,7 @@ def test_equinox_a_stack_of_stacks_is_probed_with_its_layers_summed():
   # It failed with IndexError, as for NNX.
   model = eqx.filter_vmap(EqxGroup)(jax.random.split(jax.random.key(0), 3))
   loss = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, loss, model,
+  assert hits_like_unprobed(eqx.filter_value_and_grad, pr.equinox_probes, loss, model,
                             jnp.ones(8, F16)) == [
       ("blocks/linear", 6), ("blocks", 6), ("EqxGroup", 3)]
 
@@ -152,7 +151,7 @@ def test_equinox_a_probed_view_reads_attributes_through_to_the_module():
     assert model.embed.weight.shape == (8, 4)  # through the wrapper
     return eqx_loss(model, x, y)
 
-  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pe.equinox_probes(loss))
+  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))
   _, grads, _ = grad_fn(model, X, Y)
   chex.assert_trees_all_equal(grads, eqx.filter_grad(eqx_loss)(model, X, Y))
 
@@ -183,7 +182,7 @@ def test_equinox_stateful_layers_are_probed_and_change_nothing():
     return jnp.sum(out ** 2), state
 
   (value, new_state), grads, probes = pr.value_and_grad_with_probes(
-      eqx.filter_value_and_grad, pe.equinox_probes(loss), has_aux=True)(model, state, X)
+      eqx.filter_value_and_grad, pr.equinox_probes(loss), has_aux=True)(model, state, X)
   chex.assert_trees_all_equal(((value, new_state), grads),
                               eqx.filter_value_and_grad(loss, has_aux=True)(model, state, X))
   # A batch norm's output is (out, state): `out` is probed, under the norm's own name.
@@ -197,7 +196,7 @@ def test_equinox_a_model_partitioned_outside_the_loss_is_probed_when_combined_in
   model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
   diff, static = eqx.partition(model, eqx.is_inexact_array)
   loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x))
-  assert hits_like_unprobed(jax.value_and_grad, pe.equinox_probes, loss, diff, X) == [
+  assert hits_like_unprobed(jax.value_and_grad, pr.equinox_probes, loss, diff, X) == [
       ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
   assert not hasattr(eqx.nn.Linear.__call__, "_probes_output")  # the class restored
 
@@ -208,13 +207,13 @@ def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
   # at call time, neither would be: the jit traces arrays anew, the scan slices them).
   stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
   scanned = lambda m, x: jnp.sum(eqx_run(m, x).astype(jnp.float32))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, scanned, stack,
+  assert hits_like_unprobed(eqx.filter_value_and_grad, pr.equinox_probes, scanned, stack,
                             jnp.ones(8, F16)) == [
       ("linear[0]", 1), ("EqxBlock[0]", 1), ("linear[1]", 1), ("EqxBlock[1]", 1),
       ("linear[2]", 1), ("EqxBlock[2]", 1)]
   model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
   jitted = lambda m, x: jnp.sum(eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, x))
-  assert hits_like_unprobed(eqx.filter_value_and_grad, pe.equinox_probes, jitted, model, X) == [
+  assert hits_like_unprobed(eqx.filter_value_and_grad, pr.equinox_probes, jitted, model, X) == [
       ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
 
 
@@ -231,7 +230,7 @@ def test_equinox_found_at_call_time_another_model_of_the_same_class_is_not_probe
     h = lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), x, diff)[0]
     return jnp.sum((h + teacher(x)).astype(jnp.float32))
 
-  assert hits_like_unprobed(jax.value_and_grad, pe.equinox_probes, loss, diff,
+  assert hits_like_unprobed(jax.value_and_grad, pr.equinox_probes, loss, diff,
                             jnp.ones(8, F16)) == []
 
 
@@ -242,7 +241,7 @@ def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
   diff, static = eqx.partition(model, eqx.is_inexact_array)
   loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x[:, :3]))
   with pytest.raises(TypeError, match="dot_general") as raised:
-    pr.value_and_grad_with_probes(jax.value_and_grad, pe.equinox_probes(loss))(diff, X)
+    pr.value_and_grad_with_probes(jax.value_and_grad, pr.equinox_probes(loss))(diff, X)
   assert "equinox views" in "".join(getattr(raised.value, "__notes__", []))
 
 

@@ -17,9 +17,8 @@ from helpers import hits_like_unprobed
 from helpers import mse
 from helpers import scale_backward
 
-from jax_lossscale import _probe_frameworks as pf
-from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
 
 F16 = jnp.float16
 X, Y = float16_normal(0, (16, 4)), float16_normal(1, (16, 2))
@@ -55,7 +54,7 @@ def test_linen_trains_with_a_probe_on_every_module_named_by_its_path():
   model = LinenMLP()
   params = model.init(jax.random.key(0), X)["params"]
   tx = optax.adam(1e-2)
-  grad_fn = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))
+  grad_fn = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(linen_loss))
 
   @jax.jit
   def step(params, opt_state):
@@ -90,7 +89,7 @@ def test_linen_a_module_output_that_is_not_an_array_is_passed_on_unmeasured():
 
   model = Model()
   params = model.init(jax.random.key(0), X)["params"]
-  probed = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))
+  probed = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(linen_loss))
   _, grads, probes = probed(params, model, X, Y)
   assert list(probes) == ["tagged/dense", "tagged/0"] and int(probes["tagged/0"].hits) == 1
   chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
@@ -99,7 +98,7 @@ def test_linen_a_module_output_that_is_not_an_array_is_passed_on_unmeasured():
 def test_linen_an_overflow_in_layer_1_backward_pass_is_named_layer_1():
   model = LinenMLP(overflow_at=1)
   params = model.init(jax.random.key(0), X)["params"]
-  grad_fn = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))
+  grad_fn = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(linen_loss))
   probes = grad_fn(params, model, X, Y)[2]
   assert diagnostics.backward_overflow_origin(probes) == "layer_1"
 
@@ -120,7 +119,7 @@ def test_linen_modules_under_lifted_transforms_are_named_by_their_path_in_the_pa
 
   model, x = Lifted(), jnp.ones((2, 8), F16)
   params = model.init(jax.random.key(0), x)["params"]
-  probes = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))(
+  probes = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(linen_loss))(
       params, model, x, x)[2]
   assert list(probes) == ["blocks/dense", "blocks", "CheckpointDense_0", "Dense_0"]
   assert int(probes["blocks"].hits) == 2 and probes["blocks"].hits.shape == ()
@@ -163,7 +162,7 @@ def test_linen_a_shared_scope_or_a_method_given_as_a_function_keeps_the_param_pa
     params = model.init(jax.random.key(0), x, method=method)["params"]
     loss = lambda p, x, model=model, method=method: jnp.sum(
         model.apply({"params": p}, x, method=method) ** 2)
-    probes = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(loss))(
+    probes = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(loss))(
         params, x)[2]
     assert [name for name, _ in diagnostics.layers(probes)] == expected
 
@@ -172,8 +171,8 @@ def test_linen_probes_change_neither_the_unmeasured_program_nor_the_gradients():
   model = LinenMLP()
   params = model.init(jax.random.key(0), X)["params"]
   jaxpr = lambda f: str(jax.make_jaxpr(jax.grad(f), static_argnums=1)(params, model, X, Y))
-  assert jaxpr(pf.linen_probes(linen_loss)) == jaxpr(linen_loss)
-  _, grads, _ = pr.value_and_grad_with_probes(jax.value_and_grad, pf.linen_probes(linen_loss))(
+  assert jaxpr(pr.linen_probes(linen_loss)) == jaxpr(linen_loss)
+  _, grads, _ = pr.value_and_grad_with_probes(jax.value_and_grad, pr.linen_probes(linen_loss))(
       params, model, X, Y)
   chex.assert_trees_all_equal(grads, jax.grad(linen_loss)(params, model, X, Y))
 
@@ -199,7 +198,7 @@ def test_linen_a_second_model_in_the_loss_is_named_under_its_class():
   c_params = critic.init(jax.random.key(1), jnp.ones((16, 2), F16))
   loss = lambda g, c, x: jnp.mean(critic.apply(c, generator.apply(g, x)).astype(jnp.float32))
   value, grads, probes = pr.value_and_grad_with_probes(
-      jax.value_and_grad, pf.linen_probes(loss), argnums=(0, 1))(g_params, c_params, X)
+      jax.value_and_grad, pr.linen_probes(loss), argnums=(0, 1))(g_params, c_params, X)
   chex.assert_trees_all_equal((value, grads), jax.value_and_grad(loss, (0, 1))(
       g_params, c_params, X))
   assert [(name, int(s.hits)) for name, s in diagnostics.layers(probes)] == [
@@ -245,7 +244,7 @@ def nnx_loss(model, x, y):
 
 @nnx.jit
 def nnx_step(model, optimizer, x, y):
-  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))
+  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(nnx_loss))
   loss, grads, probes = grad_fn(model, x, y)
   optimizer.update(model, grads)
   return loss, probes
@@ -271,7 +270,7 @@ def test_nnx_trains_with_a_probe_on_every_module_and_one_row_per_stacked_block()
 def test_nnx_an_overflow_in_the_second_stacked_block_is_named_by_its_row():
   model = NnxModel(nnx.Rngs(0))
   model.blocks.factor[...] = jnp.array([1.0, jnp.inf, 1.0])
-  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))
+  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(nnx_loss))
   _, grads, probes = grad_fn(model, X, Y)
   chex.assert_trees_all_equal_structs(grads, nnx.state(model, nnx.Param))
   assert diagnostics.backward_overflow_origin(probes) == "blocks[1]"
@@ -297,7 +296,7 @@ def test_nnx_two_stacks_of_one_depth_are_read_in_forward_order():
   # decoder rows interleaved, and the decoder's first block was named encoder[1].
   model = NnxEncoderDecoder(nnx.Rngs(0))
   model.decoder.factor[...] = jnp.array([jnp.inf, 1.0, 1.0])
-  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))
+  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(nnx_loss))
   _, _, probes = grad_fn(model, X, jnp.zeros((16, 8)))
   rows = lambda stack: [f"{stack}{p}[{i}]" for i in range(3) for p in ("/linear", "")]
   assert [name for name, _ in diagnostics.layers(probes)] == [
@@ -334,14 +333,14 @@ def test_nnx_a_stack_of_stacks_is_probed_with_its_layers_summed():
   # which the inner scan then sliced again.
   model = nnx_stack(NnxGroup, 3, nnx.Rngs(0))
   loss = lambda m, x: jnp.sum(nnx_run(m, x))
-  assert hits_like_unprobed(nnx.value_and_grad, pf.nnx_probes, loss, model,
+  assert hits_like_unprobed(nnx.value_and_grad, pr.nnx_probes, loss, model,
                             jnp.ones((4, 8))) == [
       ("layers/linear", 6), ("layers", 6), ("NnxGroup", 3)]
 
 
 def test_nnx_gradients_equal_those_without_probes():
   model = NnxModel(nnx.Rngs(0))
-  _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pf.nnx_probes(nnx_loss))(
+  _, grads, _ = pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(nnx_loss))(
       model, X, Y)
   chex.assert_trees_all_equal(grads, nnx.grad(nnx_loss)(model, X, Y))
 
@@ -357,7 +356,7 @@ def test_nnx_a_module_held_under_two_names_is_one_row_hit_at_each_call():
     def __call__(self, x):
       return self.b(self.c(self.a(x)))
 
-  hits = hits_like_unprobed(nnx.value_and_grad, pf.nnx_probes,
+  hits = hits_like_unprobed(nnx.value_and_grad, pr.nnx_probes,
                             lambda m, x: m(x).sum(), Tied(nnx.Rngs(0)), jnp.ones((2, 3)))
   assert hits == [("a", 2), ("b", 1)]
 

@@ -1,6 +1,6 @@
 """What the probes' framework interception relies on in flax linen, flax NNX and equinox.
 
-Each test pins one behaviour of a framework that `_probe_intercept` hooks, on the versions
+Each test pins one behaviour of a framework that `probes._intercept` hooks, on the versions
 this suite runs with; a failure names the framework and what changed.
 """
 
@@ -13,7 +13,7 @@ from flax import linen
 from flax import nnx
 from jax import lax
 
-from jax_lossscale import _probe_intercept as intercept
+from jax_lossscale.probes import _intercept as intercept
 
 FLAX = f"flax {flax.__version__}"
 EQUINOX = f"equinox {eqx.__version__}"

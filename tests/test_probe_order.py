@@ -11,9 +11,9 @@ import pytest
 from helpers import scale_backward
 from jax import lax
 
-from jax_lossscale import _probe_order
-from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
+from jax_lossscale.probes import order as probe_order
 
 
 def probes_of(loss, *args):
@@ -80,7 +80,7 @@ def test_a_fori_loop_with_a_traced_count_gives_the_rows_of_its_while():
 
 
 def test_a_hit_is_marked_with_its_traced_index_only():
-  program = jax.make_jaxpr(lambda x, i: (_probe_order.marked(x, 0, i),
-                                         _probe_order.marked(x, 1, 2)))(jnp.ones(2), 1)
+  program = jax.make_jaxpr(lambda x, i: (probe_order.marked(x, 0, i),
+                                         probe_order.marked(x, 1, 2)))(jnp.ones(2), 1)
   barriers = [e for e in program.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
   assert [len(e.invars) for e in barriers] == [3, 2]

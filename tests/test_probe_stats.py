@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from helpers import count_compiles
 
-from jax_lossscale import _probe_stats
-from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
+from jax_lossscale.probes import stats as probe_stats
 
 F16 = jnp.float16
 
@@ -91,7 +91,7 @@ def test_a_probe_hit_twice_reports_the_bottom_of_its_top_binade(largest, bottom)
   summary = diagnostics.summarize(with_probes(loss)(jnp.float32(1.0))[2])["shared"]
   assert int(summary.hits) == 2 and float(summary.backward.max_abs) == bottom
   assert bool(summary.backward.finite) == np.isfinite(largest)
-  bound = _probe_stats.largest_gradient(with_probes(loss)(jnp.float32(1.0))[2].encoded)
+  bound = probe_stats.largest_gradient(with_probes(loss)(jnp.float32(1.0))[2].encoded)
   with np.errstate(over="ignore"):
     assert float(bound) == float(np.float32(2 * bottom))  # 2**128 is inf in float32
 
@@ -104,9 +104,9 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
   x[0, 0, :2], x[1, 2, 3], x[2, 2, 2] = 0.0, np.inf, 2.0**-20  # zeros, inf, a subnormal
   x, g = jnp.asarray(x, dtype), jnp.asarray(x[::-1] * 1e-3, dtype).at[3, 1, 1].set(jnp.nan)
   for t in (x, g):
-    bits, zeros, below_normal = _probe_stats.bit_operands(t)
+    bits, zeros, below_normal = probe_stats.bit_operands(t)
     magnitude = np.where(np.isnan(np.float32(t)), np.inf, np.abs(np.float32(t)))
-    np.testing.assert_array_equal(np.float32(_probe_stats.as_magnitude(bits, t.dtype)), magnitude)
+    np.testing.assert_array_equal(np.float32(probe_stats.as_magnitude(bits, t.dtype)), magnitude)
     np.testing.assert_array_equal(zeros, magnitude == 0)
     np.testing.assert_array_equal(below_normal, magnitude < 2.0**-14)
 
@@ -123,7 +123,7 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
     ((), 0),
 ])
 def test_a_tensor_is_reduced_in_rows_where_they_are_many_long_and_large(shape, kept):
-  assert _probe_stats._kept_axes(shape) == kept
+  assert probe_stats._kept_axes(shape) == kept
 
 
 @pytest.mark.parametrize("shape", [(1024, 64, 64), (1, 2, 8, 2**18), (384, 64, 16), ()])
@@ -138,8 +138,8 @@ def test_a_tensor_reduced_in_rows_or_whole_gives_what_numpy_counts(shape, dtype)
   magnitude = np.where(np.isnan(np.float32(x)), np.inf, np.abs(np.float32(x)))
   expected = [magnitude.max(), (magnitude == 0).sum(),
               ((magnitude > 0) & (magnitude < 2.0**-14)).sum()]
-  np.testing.assert_array_equal(_probe_stats.values(jnp.asarray(x), False), expected)
-  np.testing.assert_allclose(_probe_stats.values(jnp.asarray(x), True),
+  np.testing.assert_array_equal(probe_stats.values(jnp.asarray(x), False), expected)
+  np.testing.assert_allclose(probe_stats.values(jnp.asarray(x), True),
                              np.array(expected) / [1, x.size, x.size], rtol=1e-7)
 
 
@@ -157,20 +157,20 @@ def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
   bounds = [jnp.where(s.hits == 1, s.backward.max_abs, 2 * s.backward.max_abs).max()
             for s in summaries.values()]
   assert [int(s.hits.max()) for s in summaries.values()] == [1, 3, 2]
-  assert float(_probe_stats.largest_gradient(probes.encoded)) == float(max(bounds)) > 0
-  assert float(_probe_stats.largest_gradient(probes.encoded[:1])) == float(bounds[0])
+  assert float(probe_stats.largest_gradient(probes.encoded)) == float(max(bounds)) > 0
+  assert float(probe_stats.largest_gradient(probes.encoded[:1])) == float(bounds[0])
 
 
 def test_reading_a_probe_compiles_one_program_per_shape_not_one_per_operation():
   def rows(hits):  # 13 rows: a shape no other test reads
-    encoded = np.zeros((13, 2, _probe_stats.WIDTH), np.float32)
-    encoded[..., _probe_stats.VALUES + 127] = hits
+    encoded = np.zeros((13, 2, probe_stats.WIDTH), np.float32)
+    encoded[..., probe_stats.VALUES + 127] = hits
     return jnp.asarray(encoded)
 
   once, twice = rows(1.0), rows(2.0)
   with count_compiles() as compiles:
-    first = _probe_stats.summary(once)
+    first = probe_stats.summary(once)
   with count_compiles() as again:
-    later = _probe_stats.summary(twice)
+    later = probe_stats.summary(twice)
   assert len(compiles) == 1 and again == []
   assert np.asarray(first.hits).tolist() == [1] * 13 and np.asarray(later.hits).tolist() == [2] * 13

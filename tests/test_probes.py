@@ -16,8 +16,8 @@ from helpers import scale_backward
 from jax import lax
 
 from jax_lossscale import _jax_internals as internals
-from jax_lossscale import _probes as pr
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
 
 HERE = pathlib.Path(__file__).parent
 F16 = jnp.float16

@@ -244,7 +244,7 @@ def test_a_probed_gradient_function_called_without_jit_compiles_and_traces_only_
     framework):
   import equinox as eqx
 
-  from jax_lossscale import _probe_stats
+  from jax_lossscale.probes import stats as probe_stats
 
   x = jnp.ones((2, 3))
   if framework == "jax":
@@ -261,11 +261,11 @@ def test_a_probed_gradient_function_called_without_jit_compiles_and_traces_only_
   state = jls.loss_scaling(optax.sgd(0.1)).init(eqx.filter(model, eqx.is_array))
   grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=value_and_grad, probes=True)
   first = grad_fn(state, model, x)
-  cached = _probe_stats.values._cache_size()
+  cached = probe_stats.values._cache_size()
   with count_compiles() as compiles, count_compiles(TRACED) as traces:
     for _ in range(50):
       last = grad_fn(state, model, x)
-  assert compiles == [] and traces == [] and _probe_stats.values._cache_size() == cached
+  assert compiles == [] and traces == [] and probe_stats.values._cache_size() == cached
   assert len(last[2]) >= 3 and all(int(last[2][name].hits) > 0 for name in last[2])
   chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(first, eqx.is_array))
   chex.assert_trees_all_equal(eqx.filter(last, eqx.is_array), eqx.filter(

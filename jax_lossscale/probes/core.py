@@ -1,4 +1,4 @@
-"""Probes: where inside the backward pass float16 overflows and underflows happen.
+"""The probes' core: `probe`, `Probes`, and the two passes of `value_and_grad_with_probes`.
 
 `probe(x, name)` is the identity; under `value_and_grad_with_probes` it measures `x`
 and its gradient, which leave the backward pass as the cotangent of a zero "stats"
@@ -25,11 +25,11 @@ import numpy as np
 from jax import lax
 
 from jax_lossscale import _jax_internals
-from jax_lossscale import _probe_intercept
-from jax_lossscale import _probe_order
-from jax_lossscale import _probe_stats
 from jax_lossscale import _trees
 from jax_lossscale import _validation
+from jax_lossscale.probes import _intercept
+from jax_lossscale.probes import order as _order
+from jax_lossscale.probes import stats as _stats
 
 LOSS = "<loss>"  # where an overflow after the last probe began
 
@@ -63,9 +63,9 @@ class Probes(Mapping):
   order: tuple[tuple[str, int | None], ...] = dataclasses.field(metadata={"static": True})
   encoded: tuple[jax.Array, ...]
 
-  def __getitem__(self, name: str) -> _probe_stats.ProbeSummary:
+  def __getitem__(self, name: str) -> _stats.ProbeSummary:
     i = self.names.index(name)
-    return _probe_stats.summary(self.encoded[i], self.sizes[i])
+    return _stats.summary(self.encoded[i], self.sizes[i])
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.names)
@@ -94,7 +94,7 @@ def _pass(session: _Discovery | _Measurement) -> Iterator[None]:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Discovery:
   """First pass: each probe's name, length and size, each hit in trace order (its index
-  if a Python int), marked in the program to find the loops around it (`_probe_order`)."""
+  if a Python int), marked in the program to find the loops around it (`order`)."""
   lengths: dict[str, int | None]
   sizes: dict[str, int | None] = dataclasses.field(default_factory=dict, kw_only=True)
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
@@ -112,7 +112,7 @@ class _Discovery:
     if self.sizes.setdefault(name, np.size(x)) != np.size(x):
       self.sizes[name] = None  # hits of several sizes: each hit's figures are fractions
     self.hits.append((name, int(index) if isinstance(index, (int, np.integer)) else None))
-    return _probe_order.marked(x, len(self.hits) - 1, index)
+    return _order.marked(x, len(self.hits) - 1, index)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,7 +234,7 @@ def _measure_fwd(length, fractions, x, stats, index):
   tensor replicated across devices), as the cotangent of `stats` must."""
   del length
   with _SESSION(None):  # out of jit's cache key: `values` is compiled once per shape
-    forward = _probe_stats.values(x, fractions)
+    forward = _stats.values(x, fractions)
   return x, (_trees.varying_like(forward, stats), index)
 
 
@@ -243,9 +243,9 @@ def _measure_bwd(length, fractions, residuals, g):
   row `index` only (in none for an index out of range: the hit is dropped), selected in
   the encoding's own kernel."""
   forward, index = residuals
-  measured = _probe_stats.measurements(forward, _trees.varying_like(g, forward), fractions)
+  measured = _stats.measurements(forward, _trees.varying_like(g, forward), fractions)
   if length is not None:
-    measured = _probe_stats.in_row(measured, index, length)
+    measured = _stats.in_row(measured, index, length)
   return g, measured, None
 
 
@@ -311,12 +311,12 @@ def value_and_grad_with_probes(
 
 def _discover_with_fallbacks(fun, args, kwargs):
   """`(options, _discover(...))`, with the adapters' options that the first pass works
-  with (`_probe_intercept.first_pass`)."""
+  with (`_intercept.first_pass`)."""
   def attempt(options, used):
     session = _Discovery({}, rows=options.rows, views=options.views, used=used)
     return session.skipped, _discover(session, fun, args, kwargs)
 
-  options, (skipped, found) = _probe_intercept.first_pass(attempt)
+  options, (skipped, found) = _intercept.first_pass(attempt)
   return {"rows": options.rows, "views": options.views, "skipped": skipped}, found
 
 
@@ -341,10 +341,10 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple
   manual = tuple(here.manual_axes)
   zeros = lambda *shape: lax.pcast(jnp.zeros(shape, jnp.float32), manual, to="varying")
   with jax.sharding.use_abstract_mesh(here if manual else jax.sharding.AbstractMesh((), ())):
-    stats = {name: zeros(*(() if n is None else (n,)), 2, _probe_stats.WIDTH)
+    stats = {name: zeros(*(() if n is None else (n,)), 2, _stats.WIDTH)
              for name, n in session.lengths.items()}
-  return stats, session.sizes, _probe_order.forward_order(
-      session.lengths, session.hits, _probe_order.loops(program.jaxpr))
+  return stats, session.sizes, _order.forward_order(
+      session.lengths, session.hits, _order.loops(program.jaxpr))
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:

@@ -1,6 +1,6 @@
 """Probes on the output of every module of an equinox model, named by its path.
 
-Two ways to place them, tried in this order (`_probes.equinox_views`):
+Two ways to place them, tried in this order (`core.equinox_views`):
 
 * A probed view: the loss gets the model with every layer wrapped. Works through
   anything the loss does with the model (a jit or checkpoint inside it, a scan over a
@@ -17,12 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale import _probe_intercept
-from jax_lossscale import _probes
 from jax_lossscale import _trees
-from jax_lossscale._probe_outputs import probe_output
-from jax_lossscale._probe_outputs import stacked_length
-from jax_lossscale._probe_outputs import while_probing
+from jax_lossscale.probes import _intercept
+from jax_lossscale.probes import core
+from jax_lossscale.probes.outputs import probe_output
+from jax_lossscale.probes.outputs import stacked_length
+from jax_lossscale.probes.outputs import while_probing
 
 
 def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,9 +49,9 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     The probed `fun`.
   """
   def probed(model, *args, **kwargs):
-    if _probes.equinox_views():
+    if core.equinox_views():
       return fun(_view(model, ()), *args, **kwargs)
-    with _probe_intercept.equinox_calls(model, _view):
+    with _intercept.equinox_calls(model, _view):
       return fun(model, *args, **kwargs)
 
   return while_probing(fun, probed)
@@ -71,11 +71,11 @@ def _view(module, path, inherited: int | None = None):
       for key, child in children])
   if not callable(module):  # not a layer (a StateIndex, found by its type)
     return view
-  if length is not None and not _probes.stacked_rows():
+  if length is not None and not core.stacked_rows():
     length = None
   index = None if length is None else jnp.arange(length)
   tag = (_trees.path_name(path) or type(module).__name__, length)
-  return _probe_intercept.equinox_view_class()(view, index, tag, _probed_output)
+  return _intercept.equinox_view_class()(view, index, tag, _probed_output)
 
 
 def _probed_output(out, index, tag):

@@ -36,10 +36,6 @@ def loops(jaxpr: _jax.Program) -> dict[int, tuple[int, bool] | None]:
 def _walk(jaxpr, origin: dict, chain: tuple, found: dict) -> None:
   """Records the hits of `jaxpr`; `origin` maps a variable to `(depth, loop)`, the
   innermost loop whose iterations it changes with; `chain` is the loops around."""
-  def deepest(names):
-    known = [origin[v] for v in names if not _jax.is_literal(v) and v in origin]
-    return max(known, default=None, key=lambda o: o[0])
-
   for eqn in _jax.equations(jaxpr):
     args = _jax.operands(eqn)
     if _jax.primitive_name(eqn) == "optimization_barrier":
@@ -48,12 +44,23 @@ def _walk(jaxpr, origin: dict, chain: tuple, found: dict) -> None:
         index = args[at + 1:at + 2]  # a traced row index follows its marker
         index = [v for v in index if not _jax.is_literal(v)
                  and np.issubdtype(_jax.dtype_of(v), np.integer)]
-        source = deepest(index)
+        source = _deepest(origin, index)
         hit = int(_jax.literal_value(args[at])) - MARK
         found[hit] = source[1] if source else (chain[-1] if chain else None)
-    _enter(eqn, args, origin, chain, found, deepest)
-    out = deepest(args)
+    _enter(eqn, args, origin, chain, found)
+    out = _deepest(origin, args)
     origin.update({v: out for v in _jax.results(eqn) if out is not None})
+
+
+def _deepest(origin: dict, operands) -> tuple[int, Any] | None:
+  """The innermost loop, `(depth, loop)`, whose iterations any of `operands` changes
+  with, or None."""
+  known = [origin[v] for v in operands if not _jax.is_literal(v) and v in origin]
+  return max(known, default=None, key=_depth)
+
+
+def _depth(source: tuple[int, Any]) -> int:
+  return source[0]
 
 
 def _is_marker(operand) -> bool:
@@ -61,7 +68,7 @@ def _is_marker(operand) -> bool:
           and int(_jax.literal_value(operand)) >= MARK)
 
 
-def _enter(eqn, args, origin, chain, found, deepest) -> None:
+def _enter(eqn, args, origin, chain, found) -> None:
   """Walks the programs inside `eqn`, their inputs' origins taken from its operands (a
   loop's carry and sliced inputs change with the loop itself)."""
   loop = _jax.loop(eqn)
@@ -81,7 +88,7 @@ def _enter(eqn, args, origin, chain, found, deepest) -> None:
       sub = {v: origin[c] for v, c in zip(inner, operands, strict=True)
              if not _jax.is_literal(c) and c in origin}
     else:
-      every = deepest(args)
+      every = _deepest(origin, args)
       sub = {v: every for v in inner} if every else {}
     _walk(program, sub, chain, found)
 

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale import _probes
 from jax_lossscale import _trees
+from jax_lossscale.probes import core
 
 
 def probe_output(out: Any, name: str, index: Any = None, length: int | None = None):
@@ -24,7 +24,7 @@ def probe_output(out: Any, name: str, index: Any = None, length: int | None = No
     if not hasattr(leaf, "dtype"):  # a string, a Python number: not measured
       return leaf
     where = name if len(leaves) == 1 else f"{name}/{_trees.path_name(path)}"
-    return _probes.probe(leaf, where, index=index, length=length)
+    return core.probe(leaf, where, index=index, length=length)
 
   return jax.tree_util.tree_map_with_path(one, out)
 
@@ -39,5 +39,5 @@ def while_probing(fun: Callable[..., Any], probed: Callable[..., Any]) -> Callab
   """`probed` while probes are measured, `fun` itself otherwise."""
   @functools.wraps(fun)
   def call(*args, **kwargs):
-    return (probed if _probes.probing() else fun)(*args, **kwargs)
+    return (probed if core.probing() else fun)(*args, **kwargs)
   return call
