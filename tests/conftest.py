@@ -1,7 +1,12 @@
-"""Shared fixtures."""
+"""Shared fixtures, the order of the files and one compilation cache for the session."""
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
+from helpers import COMPILATION_CACHE_SETTINGS
 from helpers import force_branch
 
 # The files that take longest (`pytest --durations=0`, summed per file), run first: the two
@@ -10,6 +15,28 @@ HEAVIEST_FIRST = ("test_transform.py", "test_transformer_demo.py", "test_noteboo
                   "test_docs.py", "test_probes.py", "test_demo.py", "test_distributed.py",
                   "test_probe_frameworks.py", "test_training_loops.py", "test_autocast.py",
                   "test_probe_equinox.py", "test_benchmarks.py")
+
+
+def pytest_configure(config):
+  """Every process of the session shares one persistent compilation cache, in a new
+  directory: the xdist workers inherit it from the process that starts them, and the
+  subprocesses the tests start keep it (`clean_env`). A program compiled once is loaded,
+  not compiled again, by any of them, and by the same process when a new function object
+  traces to the same program. The cache maps a program and its compile options to the
+  executable XLA made of it, so results are the same; compile events are still reported
+  for a program loaded from it (`helpers.count_compiles` counts them alike)."""
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    path = tempfile.mkdtemp(prefix="jax_lossscale_tests_compilation_cache_")
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  for name, value in COMPILATION_CACHE_SETTINGS.items():
+    os.environ.setdefault(name, value)
+  # This process imported jax, which read its settings, before this hook ran.
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
 def pytest_collection_modifyitems(items):

@@ -33,10 +33,20 @@ def force_branch(name: str):
     yield
 
 
+# The session's persistent compilation cache (tests/conftest.py): every compilation cached,
+# however quick or small, since the suite's thousands of programs are mostly small ones.
+COMPILATION_CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
   """This process's environment without its XLA_ and JAX_ settings, plus `extra`: for a
-  subprocess that must start from JAX's defaults (`XLA_FLAGS=...` forces CPU devices)."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+  subprocess that must start from JAX's defaults (`XLA_FLAGS=...` forces CPU devices).
+  The compilation cache's settings stay: a cached program is loaded as compiled, with the
+  same results."""
+  cache = ("JAX_COMPILATION_CACHE_DIR", *COMPILATION_CACHE_SETTINGS)
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("XLA_", "JAX_")) or k in cache}
   env.update(extra)
   return env
 
