@@ -77,7 +77,10 @@ def test_float16_without_scaling_loses_far_more_gradient_signal(runs):
 
 def test_demo_runs_end_to_end_and_writes_a_plot(tmp_path, capsys):
   out = tmp_path / "plot.png"
-  demo.main(["--steps", "4", "--batch", "256", "--hidden", "16", "--out", str(out)])
+  # A few steps at CONFIG's sizes: the runs' steps are the programs the fixtures compiled,
+  # loaded from the session's compilation cache (tests/conftest.py).
+  demo.main(["--steps", "4", "--batch", str(CONFIG.batch), "--hidden", str(CONFIG.hidden),
+             "--learning-rate", str(CONFIG.learning_rate), "--out", str(out)])
   printed = capsys.readouterr().out
   for row in ["float32", "float16, no loss scaling", "FixedLossScale", "DynamicLossScale",
               "MeasuredLossScale"]:
