@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_lossscale import _probes as pr
 from jax_lossscale import _transform
 from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
 
 # Applied steps equal an unscaled run to float rounding: the compiler may contract the
 # unscaling into the optimizer's multiply-adds (benchmarks/RESULTS.md). Measured leaf by
