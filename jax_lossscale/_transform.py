@@ -38,6 +38,21 @@ COUNTS = ("skipped_steps", "consecutive_skips", "nonfinite_loss_steps",
 _STREAKS = (False, True, False, False, True, True)
 
 
+class _Count:
+  """A read-only attribute of `LossScalingState`: the count called `name`.
+
+  (The name is given, not taken from `__set_name__`, which `typing.NamedTuple` does not
+  call on Python 3.11.)
+  """
+
+  def __init__(self, name: str, doc: str):
+    self.name = name
+    self.__doc__ = doc
+
+  def __get__(self, state: LossScalingState | None, owner: type | None = None) -> Any:
+    return self if state is None else state.count(self.name)
+
+
 class LossScalingState(NamedTuple):
   """State of `loss_scaling`.
 
@@ -79,36 +94,21 @@ class LossScalingState(NamedTuple):
     and the other properties read the same."""
     return self.counts[..., COUNTS.index(name)]
 
-  @property
-  def skipped_steps(self) -> jax.Array:
-    """Steps skipped so far."""
-    return self.count("skipped_steps")
-
-  @property
-  def consecutive_skips(self) -> jax.Array:
-    """Steps skipped in a row up to now."""
-    return self.count("consecutive_skips")
-
-  @property
-  def nonfinite_loss_steps(self) -> jax.Array:
-    """Steps skipped because the unscaled loss passed as `loss=` was inf or NaN."""
-    return self.count("nonfinite_loss_steps")
-
-  @property
-  def nonfinite_update_steps(self) -> jax.Array:
-    """Steps skipped because the inner optimizer turned finite gradients into inf or NaN
-    updates of low-precision parameters."""
-    return self.count("nonfinite_update_steps")
-
-  @property
-  def consecutive_nonfinite_loss(self) -> jax.Array:
-    """How many of the `consecutive_skips` were for a non-finite loss."""
-    return self.count("consecutive_nonfinite_loss")
-
-  @property
-  def consecutive_nonfinite_updates(self) -> jax.Array:
-    """How many of the `consecutive_skips` were for non-finite updates."""
-    return self.count("consecutive_nonfinite_updates")
+  skipped_steps = _Count("skipped_steps", "Steps skipped so far.")
+  consecutive_skips = _Count("consecutive_skips", "Steps skipped in a row up to now.")
+  nonfinite_loss_steps = _Count(
+      "nonfinite_loss_steps",
+      "Steps skipped because the unscaled loss passed as `loss=` was inf or NaN.")
+  nonfinite_update_steps = _Count(
+      "nonfinite_update_steps",
+      "Steps skipped because the inner optimizer turned finite gradients into inf or NaN "
+      "updates of low-precision parameters.")
+  consecutive_nonfinite_loss = _Count(
+      "consecutive_nonfinite_loss",
+      "How many of the `consecutive_skips` were for a non-finite loss.")
+  consecutive_nonfinite_updates = _Count(
+      "consecutive_nonfinite_updates",
+      "How many of the `consecutive_skips` were for non-finite updates.")
 
   @property
   def hyperparams(self) -> dict[str, Any]:
