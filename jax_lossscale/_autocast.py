@@ -59,6 +59,7 @@ import numpy as np
 from jax import lax
 
 from jax_lossscale import _jax_internals as internals
+from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _trees
 
@@ -204,7 +205,7 @@ class _Interpreter:
     if not floating or not all(map(_castable, floating)):
       return op.bind(_widest(op, operands))
     target = self.compute_dtype
-    if len({_dtype(x) for x in floating}) == 1 and _dtype(floating[0]).itemsize < 4:
+    if len({_dtype(x) for x in floating}) == 1 and _numerics.is_narrow(_dtype(floating[0])):
       target = _dtype(floating[0])  # cast by hand, or by an inner autocast: kept
     traced = {kind.dtype for x, kind in zip(operands, op.inputs, strict=True)
               if _is_floating(x)}

@@ -736,18 +736,28 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
   """Whether updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in float16),
   `None` if none. A narrow parameter's new value (`new_params`', else `apply_updates`')
   is checked instead where it was finite (60000 + 10000 is inf in float16)."""
-  narrow = lambda x: _trees.is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4
   def leaf(p, u, n):
     if u is None or not _trees.is_float(p):
       return None
-    if not narrow(p):
-      return u if narrow(u) else None
+    if not _is_narrow_float(p):
+      return u if _is_narrow_float(u) else None
     return jnp.where(jnp.isfinite(p), _trees.apply_updates(p, u) if n is None else n, 0)
-  new_params = jax.tree.map(lambda _: None, updates) if new_params is None else new_params
-  checked = ([x for x in _trees.float_leaves(updates) if narrow(x)] if params is None else
-             jax.tree.leaves(jax.tree.map(leaf, params, updates, new_params,
-                                          is_leaf=lambda x: x is None)))
-  return _finite.agree([_finite.finite(checked)], axis_name)[0] if checked else None
+
+  if params is None:
+    checked = [x for x in _trees.float_leaves(updates) if _is_narrow_float(x)]
+  else:
+    if new_params is None:
+      new_params = jax.tree.map(lambda _: None, updates)
+    checked = jax.tree.leaves(jax.tree.map(leaf, params, updates, new_params,
+                                           is_leaf=lambda x: x is None))
+  if not checked:
+    return None
+  return _finite.agree([_finite.finite(checked)], axis_name)[0]
+
+
+def _is_narrow_float(x: Any) -> bool:
+  """Whether `x` is a floating array narrower than float32."""
+  return _trees.is_float(x) and _numerics.is_narrow(jnp.result_type(x))
 
 
 def _optimizer_stepped(old: Any, new: Any) -> jax.Array:
