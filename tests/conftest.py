@@ -18,16 +18,26 @@ HEAVIEST_FIRST = ("test_transform.py", "test_transformer_demo.py", "test_noteboo
 
 
 def pytest_configure(config):
-  """Every process of the session shares one persistent compilation cache, in a new
-  directory: the xdist workers inherit it from the process that starts them, and the
-  subprocesses the tests start keep it (`clean_env`). A program compiled once is loaded,
-  not compiled again, by any of them, and by the same process when a new function object
-  traces to the same program. The cache maps a program and its compile options to the
-  executable XLA made of it, so results are the same; compile events are still reported
-  for a program loaded from it (`helpers.count_compiles` counts them alike)."""
+  """A persistent compilation cache for the session, in a new directory, one
+  subdirectory per xdist worker, kept by the subprocesses a worker starts (`clean_env`).
+  A program compiled once is loaded, not compiled again, by the worker and its
+  subprocesses, and by the same process when a new function object traces to the same
+  program. The cache maps a program and its compile options to the executable XLA made
+  of it, so results are the same; compile events are still reported for a program loaded
+  from it (`helpers.count_compiles` counts them alike).
+
+  Each worker has its own directory because JAX writes an entry without a lock: a worker
+  must never read an entry the other is still writing (that read warns, and a test that
+  turns warnings into errors would fail). A worker's subprocesses run while it waits.
+  """
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     path = tempfile.mkdtemp(prefix="jax_lossscale_tests_compilation_cache_")
     config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker is not None:
+    path = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], worker)
+    os.makedirs(path, exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   for name, value in COMPILATION_CACHE_SETTINGS.items():
     os.environ.setdefault(name, value)
