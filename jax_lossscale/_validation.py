@@ -182,22 +182,29 @@ def boolean(name: str, value: Any) -> bool:
   return bool(value)
 
 
-def flag(name: str, value: Any,
-         example: str = "jax_lossscale.all_finite(grads)") -> jax.Array:
-  """A boolean scalar: a Python/NumPy bool or a boolean 0-d array (traced or not).
-
-  Anything else is refused, naming `example` as a value that fits.
-  """
+def not_a_flag(value: Any) -> str | None:
+  """What keeps `value` from being a boolean scalar (a Python/NumPy bool or a boolean 0-d
+  array, traced or not), as "got ..."; `None` if it is one."""
   if isinstance(value, (bool, np.bool_)):
-    return jnp.asarray(value)
+    return None
   if not isinstance(value, (jax.Array, np.ndarray)) or value.dtype != np.bool_:
-    got = f"an array of dtype {value.dtype}" if hasattr(value, "dtype") else _describe(value)
-    raise ValueError(f"`{name}` must be a boolean scalar (e.g. {example}), got {got}.")
+    return (f"got an array of dtype {value.dtype}" if hasattr(value, "dtype")
+            else f"got {_describe(value)}")
   if value.shape != ():
-    raise ValueError(
-        f"`{name}` must be a boolean scalar, got shape {tuple(value.shape)}; to keep one "
-        "loss scale per model, vmap the update instead.")
-  return jnp.asarray(value)
+    return f"got shape {tuple(value.shape)}"
+  return None
+
+
+def flag(name: str, value: Any) -> jax.Array:
+  """A boolean scalar: a Python/NumPy bool or a boolean 0-d array (traced or not)."""
+  problem = not_a_flag(value)
+  if problem is None:
+    return jnp.asarray(value)
+  if getattr(value, "dtype", None) == np.bool_:  # a boolean array of another shape
+    raise ValueError(f"`{name}` must be a boolean scalar, {problem}; to keep one loss "
+                     "scale per model, vmap the update instead.")
+  raise ValueError(
+      f"`{name}` must be a boolean scalar (e.g. jax_lossscale.all_finite(grads)), {problem}.")
 
 
 def concrete_values(value: Any) -> np.ndarray | None:

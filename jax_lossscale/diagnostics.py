@@ -224,11 +224,13 @@ def recommend_loss_scale(
 
 
 def _log2_floor_ratio(a: Any, b: Any) -> int:
-  return int(_numerics.log2_floor_ratio(a, b))
+  """`floor(log2(a / b))` of two host numbers (any NumPy or ml_dtypes scalar)."""
+  return int(_numerics.log2_floor_ratio(float(a), float(b)))
 
 
 def _log2_ceil_ratio(a: Any, b: Any) -> int:
-  return -int(_numerics.log2_floor_ratio(b, a))
+  """`ceil(log2(a / b))` of two host numbers."""
+  return -_log2_floor_ratio(b, a)
 
 
 def _power_of_two(exponent: int) -> float:

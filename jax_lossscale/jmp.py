@@ -74,10 +74,11 @@ class _NotABooleanScalar(ValueError, AssertionError):
 
 def _boolean_scalar(value: Any, where: str, argument: str) -> jax.Array:
   """`value` as a boolean scalar array (traced or not); anything else is refused."""
-  try:
-    return _validation.flag(argument, value, "jmp.all_finite(grads)")
-  except ValueError as error:  # in jmp's words, which code may match
-    raise _NotABooleanScalar(f"{where} expected boolean scalar `{argument}`: {error}") from None
+  problem = _validation.not_a_flag(value)
+  if problem is not None:  # in jmp's words, which code may match
+    raise _NotABooleanScalar(f"{where} expected boolean scalar `{argument}` (such as "
+                             f"jmp.all_finite(grads)), {problem}.")
+  return jnp.asarray(value)
 
 
 def _pytree(*leaves: str):
