@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,15 +75,23 @@ def _view(module, path, inherited: int | None = None):
   if length is not None and not core.stacked_rows():
     length = None
   index = None if length is None else jnp.arange(length)
-  tag = (_trees.path_name(path) or type(module).__name__, length)
+  tag = _Tag(_trees.path_name(path) or type(module).__name__, length)
   return _intercept.equinox_view_class()(view, index, tag, _probed_output)
 
 
-def _probed_output(out, index, tag):
+class _Tag(NamedTuple):
+  """What a layer's view knows of it: its `name` in the model and its stack's `length`
+  (`None` outside a stack)."""
+
+  name: str
+  length: int | None
+
+
+def _probed_output(out, index, tag: _Tag):
   """A layer's output probed: `out` of a stateful layer's `(out, state)`."""
   import equinox as eqx
 
-  name, length = tag
+  name, length = tag.name, tag.length
   stateful = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
   probed = probe_output(out[0] if stateful else out, name, index, length)
   return (probed, out[1]) if stateful else probed
