@@ -155,7 +155,7 @@ def test_shard_map_axis_name_makes_every_device_agree_to_skip(mesh, axis_name):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_without_axis_name_shard_map_replicas_agree_by_construction(mesh, check_vma):
-  # Each device used to decide alone: only device 5 skipped, and the scales diverged.
+  # Were each device to decide alone, only device 5 would skip and the scales would diverge.
   params, grads = per_device_case(mesh)
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(8.0))
   state = tx.init(params)
