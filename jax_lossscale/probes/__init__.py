@@ -1,5 +1,9 @@
 """Probes: where inside the backward pass float16 overflows and underflows happen.
 
+The library's own package, behind its documented API (`jax_lossscale.diagnostics.probe`,
+`Probes` and the tables, `scaled_value_and_grad(..., probes=True)`): what is here may
+change between releases.
+
 `probe(x, name)` is the identity; under `value_and_grad_with_probes` it measures `x` and
 its gradient. The probed function's loss is traced twice:
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -283,7 +284,8 @@ def value_and_grad_with_probes(
       raise TypeError(f"differentiating with respect to argnums={argnums!r} needs the "
                       "arguments passed positionally, got keyword arguments only "
                       f"({', '.join(kwargs)}).")
-    options, (stats, sizes, order) = _discover_with_fallbacks(fun, args, kwargs)
+    options, found = _discover_with_fallbacks(fun, args, kwargs)
+    stats, sizes, order = found.stats, found.sizes, found.order
     if not stats:
       value, grads = value_and_grad(fun, has_aux=has_aux, **extra)(*args, **kwargs)
       return value, grads, Probes((), (), (), (), ())
@@ -309,20 +311,31 @@ def value_and_grad_with_probes(
   return value_grads_and_probes
 
 
-def _discover_with_fallbacks(fun, args, kwargs):
-  """`(options, _discover(...))`, with the adapters' options that the first pass works
-  with (`_intercept.first_pass`)."""
+class _Found(NamedTuple):
+  """What the first pass finds: zero `stats` inputs of the probes reached, in forward
+  order, their `sizes` and `Probes.order`."""
+
+  stats: dict
+  sizes: dict
+  order: tuple
+
+
+def _discover_with_fallbacks(fun, args, kwargs) -> tuple[dict, _Found]:
+  """`(options, found)`: the measuring pass's options (the adapters' options that the
+  first pass works with, `_intercept.first_pass`, and the probes it skipped) and what
+  the first pass found."""
+  sessions = []
+
   def attempt(options, used):
-    session = _Discovery({}, rows=options.rows, views=options.views, used=used)
-    return session.skipped, _discover(session, fun, args, kwargs)
+    sessions.append(_Discovery({}, rows=options.rows, views=options.views, used=used))
+    return _discover(sessions[-1], fun, args, kwargs)
 
-  options, (skipped, found) = _intercept.first_pass(attempt)
-  return {"rows": options.rows, "views": options.views, "skipped": skipped}, found
+  options, found = _intercept.first_pass(attempt)
+  return {"rows": options.rows, "views": options.views, "skipped": sessions[-1].skipped}, found
 
 
-def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple]:
-  """Zero stats inputs of the probes `fun(*args, **kwargs)` reaches, in forward order,
-  their sizes and `Probes.order`."""
+def _discover(session: _Discovery, fun, args, kwargs) -> _Found:
+  """The probes `fun(*args, **kwargs)` reaches (see `_Found`)."""
   leaves, rebuild = _trees.copier((args, kwargs))
   is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
 
@@ -343,8 +356,8 @@ def _discover(session: _Discovery, fun, args, kwargs) -> tuple[dict, dict, tuple
   with jax.sharding.use_abstract_mesh(here if manual else jax.sharding.AbstractMesh((), ())):
     stats = {name: zeros(*(() if n is None else (n,)), 2, _stats.WIDTH)
              for name, n in session.lengths.items()}
-  return stats, session.sizes, _order.forward_order(
-      session.lengths, session.hits, _order.loops(program.jaxpr))
+  order = _order.forward_order(session.lengths, session.hits, _order.loops(program.jaxpr))
+  return _Found(stats, session.sizes, order)
 
 
 def all_reduce_probes(probes: Probes, axis_name: Any) -> Probes:
