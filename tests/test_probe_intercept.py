@@ -35,7 +35,8 @@ class LinenOuter(linen.Module):
 
 
 def test_linen_intercept_methods_gives_each_call_its_module_and_method_and_can_change_it():
-  model, x = LinenOuter(), jnp.ones((1, 2))
+  model = LinenOuter()
+  x = jnp.ones((1, 2))
   params = model.init(jax.random.key(0), x)
   seen = []
 
@@ -78,7 +79,8 @@ def stack(rngs, n=3):
 
 
 def test_nnx_calls_go_through_the_class_call_set_for_the_pass_inside_its_transforms():
-  model, calls = stack(nnx.Rngs(0)), []
+  model = stack(nnx.Rngs(0))
+  calls = []
 
   def on_call(module, call, args, kwargs):
     calls.append(type(module).__name__)
@@ -131,9 +133,11 @@ def test_overlapping_probing_contexts_keep_a_class_patched_until_the_last_one_le
       return x
 
   original = Layer.__call__
-  on_call = lambda module, call, args, kwargs: call(*args, **kwargs)
-  first, second = intercept.calls_wrapped({Layer}, on_call), intercept.calls_wrapped(
-      {Layer}, on_call)
+  def on_call(module, call, args, kwargs):
+    return call(*args, **kwargs)
+
+  first = intercept.calls_wrapped({Layer}, on_call)
+  second = intercept.calls_wrapped({Layer}, on_call)
   first.__enter__()
   second.__enter__()
   first.__exit__(None, None, None)

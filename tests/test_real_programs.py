@@ -90,7 +90,8 @@ def train(step_fn, state, batches, watched) -> list[Step]:
   """`STEPS` calls of `step_fn(state, batch) -> (state, logs)`; a skipped step's batch
   is handed out again. `logs["applied"]` is the step's report; `watched(state)` the state
   a skipped step must leave as it was."""
-  steps, batch = [], 0
+  steps = []
+  batch = 0
   for _ in range(STEPS):
     before = bytes_of(watched(state))
     state, logs = step_fn(state, batches[batch])
@@ -216,7 +217,10 @@ def test_wmt_norm_of_unscaled_gradients_is_the_recorded_grad_norm(wmt):
 
 def test_wmt_norm_of_the_gradients_as_they_come_is_off_by_the_loss_scale(wmt):
   run = wmt["loss_scaling"]
-  scale = lambda i: run[i].logs["step_scale"]
+
+  def scale(i):
+    return run[i].logs["step_scale"]
+
   assert_relatively_close(applied_against_float32(run, wmt["float32"], "scaled_norm"),
                           WMT_RTOL, scale)
   assert_relatively_close([(i, step.logs["scaled_norm"], step.logs["unscaled_norm"])
@@ -273,7 +277,10 @@ def levanter():
   model = eqx.filter_jit(rp.TinyLm)(VOCAB, 32, key=jax.random.key(0))
   init = eqx.filter_jit(rp.TrainerState.init)
   init_loss_scaling = eqx.filter_jit(rp.LossScalingTrainerState.init)
-  watched = lambda state: (state.model, state.model_averaging)
+
+  def watched(state):
+    return state.model, state.model_averaging
+
   float32 = init(rp.adam_config_build(STEPS, max_grad_norm=CLIP), model,
                  mp=jmp.get_policy("f32"), ema_beta=0.9)
   loss_scale = jls.DynamicLossScale(initial_loss_scale=INITIAL_SCALE,
@@ -301,7 +308,10 @@ def test_levanter_hook_on_unscaled_gradients_logs_the_float32_norm(levanter, nam
 
 def test_levanter_hook_on_the_gradients_as_they_come_is_off_by_the_loss_scale(levanter):
   run = levanter["loss_scaling"]
-  scale = lambda i: run[i].logs["step_scale"]
+
+  def scale(i):
+    return run[i].logs["step_scale"]
+
   assert_relatively_close(applied_against_float32(run, levanter["float32"], "scaled_norm"),
                           LEVANTER_RTOL, scale)
   assert_relatively_close([(i, step.logs["scaled_norm"], step.logs["unscaled_norm"])
