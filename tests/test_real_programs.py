@@ -215,17 +215,22 @@ def test_wmt_norm_of_unscaled_gradients_is_the_recorded_grad_norm(wmt):
   assert_relatively_close(rows, SAME_RTOL)
 
 
-def test_wmt_norm_of_the_gradients_as_they_come_is_off_by_the_loss_scale(wmt):
-  run = wmt["loss_scaling"]
-
+def assert_off_by_the_loss_scale(run, float32_run, rtol):
+  """The norm of a run's gradients as they come is, on every applied step, the float32
+  run's norm times that step's loss scale (within `rtol`), and exactly the scale times the
+  norm of the same gradients unscaled (within `SAME_RTOL`)."""
   def scale(i):
     return run[i].logs["step_scale"]
 
-  assert_relatively_close(applied_against_float32(run, wmt["float32"], "scaled_norm"),
-                          WMT_RTOL, scale)
+  assert_relatively_close(applied_against_float32(run, float32_run, "scaled_norm"),
+                          rtol, scale)
   assert_relatively_close([(i, step.logs["scaled_norm"], step.logs["unscaled_norm"])
                            for i, step in enumerate(run) if step.applied], SAME_RTOL, scale)
-  assert min(step.logs["step_scale"] for step in run) >= 2.0**16
+
+
+def test_wmt_norm_of_the_gradients_as_they_come_is_off_by_the_loss_scale(wmt):
+  assert_off_by_the_loss_scale(wmt["loss_scaling"], wmt["float32"], WMT_RTOL)
+  assert min(step.logs["step_scale"] for step in wmt["loss_scaling"]) >= 2.0**16
 
 
 def test_wmt_loss_scaling_skips_the_steps_dynamic_scale_skips(wmt):
@@ -307,15 +312,7 @@ def test_levanter_hook_on_unscaled_gradients_logs_the_float32_norm(levanter, nam
 
 
 def test_levanter_hook_on_the_gradients_as_they_come_is_off_by_the_loss_scale(levanter):
-  run = levanter["loss_scaling"]
-
-  def scale(i):
-    return run[i].logs["step_scale"]
-
-  assert_relatively_close(applied_against_float32(run, levanter["float32"], "scaled_norm"),
-                          LEVANTER_RTOL, scale)
-  assert_relatively_close([(i, step.logs["scaled_norm"], step.logs["unscaled_norm"])
-                           for i, step in enumerate(run) if step.applied], SAME_RTOL, scale)
+  assert_off_by_the_loss_scale(levanter["loss_scaling"], levanter["float32"], LEVANTER_RTOL)
 
 
 def test_levanter_skipped_steps_are_reported_and_leave_parameters_and_ema_bit_identical(
