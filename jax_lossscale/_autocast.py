@@ -48,7 +48,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -140,24 +139,17 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
 
     program, out_tree = internals.trace(traced, arrays)
     out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
-    for module, module_state in zip(_nnx_modules((args, kwargs)), state, strict=True):
-      sys.modules["flax.nnx"].update(module, module_state)  # batch statistics, RNG counts
+    for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
+      _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
 
   return autocast_fun
 
 
-def _nnx_modules(tree: Any) -> list:
-  """The flax NNX modules in `tree`."""
-  nnx = sys.modules.get("flax.nnx")
-  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
-  return [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_module) if is_module(leaf)]
-
-
 def _nnx_state(tree: Any) -> list:
   """The state of each flax NNX module in `tree`: what `fun` changed in them returns
   as outputs (the modules `fun` sees are copies holding the traced arrays)."""
-  return [sys.modules["flax.nnx"].state(module) for module in _nnx_modules(tree)]
+  return [_trees.nnx().state(module) for module in _trees.nnx_objects(tree)]
 
 
 def _is_array(leaf: Any) -> bool:

@@ -9,7 +9,6 @@ other leaves, which are static), as `jax.jit` would, and keeps nothing else.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +44,7 @@ class CompiledBySignature:
     if graph is None:
       graphdef, (leaves, treedef) = None, jax.tree.flatten(inputs)
     else:
-      graphdef, state = _nnx().split(inputs)
+      graphdef, state = _trees.nnx().split(inputs)
       leaves, treedef = jax.tree.flatten(state)
     static = tuple(None if _trees.is_array(x) else x for x in leaves)
     signature = (graphdef, treedef, static)
@@ -56,7 +55,7 @@ class CompiledBySignature:
     arrays, changed = self._jitted(signature, [
         x if _trees.is_array(x) else None for x in leaves])
     for obj, state in zip(graph or (), changed, strict=True):
-      _nnx().update(obj, state)
+      _trees.nnx().update(obj, state)
     return _trees.combine(arrays, self._static_outputs[signature])
 
   def _arrays_of(self, signature, arrays):
@@ -64,21 +63,12 @@ class CompiledBySignature:
     inputs = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(
         arrays, static, strict=True)])
     if graphdef is not None:
-      inputs = _nnx().merge(graphdef, inputs)
+      inputs = _trees.nnx().merge(graphdef, inputs)
     arrays, self._static_outputs[signature] = _trees.partition(self._fn(*inputs))
     graph = _nnx_objects(inputs) if graphdef is not None else ()
-    return arrays, [_nnx().state(obj) for obj in graph]
-
-
-def _nnx() -> Any:
-  return sys.modules.get("flax.nnx")
+    return arrays, [_trees.nnx().state(obj) for obj in graph]
 
 
 def _nnx_objects(tree: Any) -> list | None:
   """The flax NNX objects (modules, `Rngs`, optimizers) in `tree`, or None for none."""
-  nnx = _nnx()
-  if nnx is None:
-    return None
-  is_object = lambda x: isinstance(x, nnx.Pytree)
-  found = [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
-  return found or None
+  return _trees.nnx_objects(tree, "Pytree") or None

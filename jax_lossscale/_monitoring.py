@@ -8,7 +8,6 @@ wrong composition shows is the path that leads to it.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
@@ -196,12 +195,8 @@ def _holds_state(tree: Any) -> bool:
 
 def _shares_variables(new: Any, old: Any) -> bool:
   """Whether `old` holds one of `new`'s mutable `nnx.Variable`s (if flax NNX is in use)."""
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None:
-    return False
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  olds = {id(x) for x in jax.tree.leaves(old, is_leaf=is_variable) if is_variable(x)}
-  return any(id(x) in olds for x in jax.tree.leaves(new, is_leaf=is_variable) if is_variable(x))
+  olds = {id(x) for x in _trees.nnx_objects(old, "Variable")}
+  return any(id(x) in olds for x in _trees.nnx_objects(new, "Variable"))
 
 
 class LossScaleStuckError(RuntimeError):

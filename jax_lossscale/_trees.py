@@ -89,16 +89,30 @@ def partition(tree: Any) -> tuple[Any, Any]:
   return arrays, static
 
 
+def nnx() -> Any:
+  """The `flax.nnx` module if the program imported it, else None (never imported here)."""
+  return sys.modules.get("flax.nnx")
+
+
+def nnx_objects(tree: Any, kind: str = "Module") -> list:
+  """The flax NNX objects of class `nnx.<kind>` in `tree` ("Module", "Pytree" for
+  modules, `Rngs` and optimizers alike, "Variable"); none if flax NNX is not in use."""
+  module = nnx()
+  if module is None:
+    return []
+  cls = getattr(module, kind)
+  is_object = lambda x: isinstance(x, cls)
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
+
+
 def copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
   """`(leaves, rebuild)`: `tree`'s leaves, and `rebuild(new_leaves)`, a copy of `tree`
   holding them. With NNX modules in `tree`, by NNX's split and merge, which keep a
   module held twice (`self.c = self.a`) one object, as `nnx.value_and_grad` does."""
-  nnx = sys.modules.get("flax.nnx")
-  is_module = lambda x: nnx is not None and isinstance(x, nnx.Module)
-  if any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module))):
-    graphdef, state = nnx.split(tree)
+  if nnx_objects(tree):
+    graphdef, state = nnx().split(tree)
     leaves, treedef = jax.tree.flatten(state)
-    return leaves, lambda new: nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+    return leaves, lambda new: nnx().merge(graphdef, jax.tree.unflatten(treedef, new))
   leaves, treedef = jax.tree.flatten(tree)
   return leaves, lambda new: jax.tree.unflatten(treedef, new)
 
