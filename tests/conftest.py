@@ -13,7 +13,7 @@ from helpers import force_branch
 # workers of `-n 2 --dist loadfile` then end together instead of one waiting on the other.
 HEAVIEST_FIRST = ("test_transform.py", "test_transformer_demo.py", "test_notebooks.py",
                   "test_docs.py", "test_probes.py", "test_demo.py", "test_real_programs.py",
-                  "test_distributed.py", "test_probe_frameworks.py", "test_training_loops.py",
+                  "test_distributed.py", "test_probe_frameworks.py",
                   "test_autocast.py", "test_probe_equinox.py", "test_benchmarks.py")
 
 

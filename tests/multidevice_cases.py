@@ -1,5 +1,6 @@
-"""Cases that need 8 devices; `test_distributed.py` runs this file in a subprocess
-with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (never set globally)."""
+"""Cases that need 8 devices; `test_distributed.py` runs this file, with
+`training_loops.py`, in one subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (never set globally)."""
 
 import chex
 import jax
@@ -384,3 +385,80 @@ def test_the_recorded_gradient_norm_is_the_largest_devices_so_replicas_keep_one_
   _, new_state = shard_map_update(tx, mesh, state_specs(state))(scaled, state, params)
   largest = float(np.max(np.linalg.norm(np.asarray(unscaled), axis=1)))
   assert float(jls.metrics(new_state)["grad_norm"]) == pytest.approx(largest, rel=1e-6)
+
+
+# --- probes and autocast on 8 devices -------------------------------------------------
+
+
+def test_probes_under_shard_map_and_pmap_count_every_devices_hits():
+  from functools import partial
+
+  from jax import lax
+  from test_probes import F16
+  from test_probes import PARAMS
+  from test_probes import mlp
+  from test_probes import with_probes
+
+  from jax_lossscale import diagnostics
+  from jax_lossscale import probes as pr
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), F16)
+  headroom = diagnostics.headroom
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  def sharded(params, x):
+    return pr.all_reduce_probes(with_probes(mlp)(params, x)[2], "data")
+
+  probes, whole = sharded(PARAMS, xs), with_probes(mlp)(PARAMS, xs)[2]
+  assert int(probes["layer_0"].hits) == 8
+  # Each device's loss is a mean over 16 elements instead of 128: gradients 8 times larger.
+  assert headroom(probes) == {n: h - 3 for n, h in headroom(whole).items()}
+
+  def sharded_loss(params, x):  # probes outside: the transposition sums the devices
+    shard = partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    return shard(lambda p, x: lax.pmean(mlp(p, x), "data"))(params, x)
+
+  probes = jax.jit(with_probes(sharded_loss))(PARAMS, xs)[2]
+  assert int(probes["layer_0"].hits) == 8 and headroom(probes) == headroom(whole)
+
+  def pmapped(params, x):
+    return pr.all_reduce_probes(with_probes(mlp)(params, x)[2], "data")
+
+  probes = jax.pmap(pmapped, axis_name="data", in_axes=(None, 0))(PARAMS, xs.reshape(8, 2, 8))
+  assert list(np.asarray(probes["layer_0"].hits)) == [8] * 8
+  on_device_0 = jax.tree.map(lambda leaf: leaf[0], probes)
+  assert headroom(on_device_0) == {n: h - 3 for n, h in headroom(whole).items()}
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  def replicated(w, x):  # a tensor the same on every device, beside a sharded one
+    def loss(w, x):
+      return jnp.sum(pr.probe(jnp.sin(w), "replicated")) + jnp.sum(pr.probe(x * w[0], "x"))
+    return pr.all_reduce_probes(with_probes(loss)(w, x)[2], "data")
+
+  probes = replicated(jnp.ones(4), jnp.ones(8))
+  assert int(probes["replicated"].hits) == 8 and int(probes["x"].hits) == 8
+  assert float(probes["replicated"].forward.max_abs) == 0.5  # sin(1)'s binade, 8 hits
+
+
+def test_shard_map_and_pmap_bodies_are_autocast():
+  from jax import lax
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  w, x = jnp.eye(4) / 2, jnp.arange(32.0).reshape(8, 4) / 32
+
+  def loss(w, x):
+    def body(w, x):
+      h = lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+      return lax.psum(jnp.sum(h ** 2), "data")
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(w, x)
+
+  ran = jls.precision_summary(jls.autocast(loss), w, x)
+  assert {d for p, d, f, b in ran.rows if p == "dot_general"} == {"float16"}, ran
+  grads = jax.jit(jax.grad(jls.autocast(loss)))(w, x)
+  assert grads.dtype == jnp.float32
+  np.testing.assert_allclose(grads, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-3)
+  pmapped = jax.pmap(jls.autocast(lambda w, x: jnp.tanh(x @ w)), in_axes=(None, 0))(w, x[:, None])
+  np.testing.assert_allclose(pmapped[:, 0], jnp.tanh(x @ w), rtol=2e-2, atol=2e-3)

@@ -1,7 +1,8 @@
 """Many devices and many processes: every replica skips the same steps.
 
-The 8-device cases live in `multidevice_cases.py` and run in a subprocess that forces
-8 CPU devices; the multi-process case starts two `jax.distributed` processes.
+The 8-device cases live in `multidevice_cases.py` and the real training loops in
+`training_loops.py`; both run in one subprocess that forces 8 CPU devices. The
+multi-process case starts two `jax.distributed` processes.
 """
 
 import pathlib
@@ -17,12 +18,13 @@ from helpers import clean_env
 HERE = pathlib.Path(__file__).parent
 
 
-def test_multidevice_cases_on_8_forced_cpu_devices():
+def test_multidevice_cases_and_training_loops_on_8_forced_cpu_devices():
+  # One process for both files: JAX and the frameworks start once.
   result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       str(HERE / "multidevice_cases.py")],
-      env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
-      capture_output=True, text=True, timeout=300, cwd=HERE,
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       "-o", "addopts=", str(HERE / "multidevice_cases.py"), str(HERE / "training_loops.py")],
+      env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"),
+      capture_output=True, text=True, timeout=400, cwd=HERE,
   )
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

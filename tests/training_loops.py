@@ -9,7 +9,7 @@ loop checks that the poisoned steps were skipped on every replica, that every re
 ends bit-identical (parameters, optimizer state, loss scale, BatchNorm statistics), that
 nothing non-finite reached the state, and that the clean steps train.
 
-`test_training_loops.py` runs this file in a subprocess with
+`test_distributed.py` runs this file, with `multidevice_cases.py`, in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (never set globally).
 """
 
