@@ -7,6 +7,7 @@ sequences; the full demo's numbers are in the README.
 
 import contextlib
 import io
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import run_notebooks
 
 import jax_lossscale as jls
 from jax_lossscale import demo
@@ -27,6 +29,8 @@ TINY = transformer.Config(steps=3, batch=8, context=16, layers=3)
 # gaps are in docs/backward-pass.md.
 SMALL = transformer.Config(steps=30, batch=32, context=32)
 TOLERANCE = 0.03
+# It trains two of the demo's runs at SMALL's sizes.
+NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "transformer.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +173,10 @@ def test_the_autocast_run_trains_in_float32_weights_to_float32s_held_out_loss(de
   assert run.eval_loss < 2.6 and reference.eval_loss < 2.6  # from 3.5 nats: both learned
   assert abs(run.eval_loss / reference.eval_loss - 1) < TOLERANCE, (run.eval_loss,
                                                                     reference.eval_loss)
+
+
+def test_the_notebook_runs_top_to_bottom(demo_run, tmp_path_factory):
+  # After `demo_run`: the notebook's training runs are two of the demo's, at its sizes, so
+  # its kernel loads their programs from the session's compilation cache (conftest.py).
+  errors = run_notebooks([NOTEBOOK], tmp_path_factory)
+  assert not errors, next(iter(errors.values()))[-6000:]
