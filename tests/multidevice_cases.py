@@ -2,6 +2,8 @@
 `training_loops.py`, in one subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (never set globally)."""
 
+from functools import partial
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,10 +11,17 @@ import numpy as np
 import optax
 import pytest
 from helpers import force_branch
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_probes import F16
+from test_probes import PARAMS
+from test_probes import mlp
+from test_probes import with_probes
 
 import jax_lossscale as jls
+from jax_lossscale import diagnostics
+from jax_lossscale import probes as pr
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 devices")
 
@@ -391,17 +400,6 @@ def test_the_recorded_gradient_norm_is_the_largest_devices_so_replicas_keep_one_
 
 
 def test_probes_under_shard_map_and_pmap_count_every_devices_hits():
-  from functools import partial
-
-  from jax import lax
-  from test_probes import F16
-  from test_probes import PARAMS
-  from test_probes import mlp
-  from test_probes import with_probes
-
-  from jax_lossscale import diagnostics
-  from jax_lossscale import probes as pr
-
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   xs = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), F16)
   headroom = diagnostics.headroom
@@ -444,8 +442,6 @@ def test_probes_under_shard_map_and_pmap_count_every_devices_hits():
 
 
 def test_shard_map_and_pmap_bodies_are_autocast():
-  from jax import lax
-
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   w, x = jnp.eye(4) / 2, jnp.arange(32.0).reshape(8, 4) / 32
 
