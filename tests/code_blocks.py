@@ -1,33 +1,50 @@
-"""Runs every ```python block of Markdown documents: each document's blocks in order, in a
-namespace of its own.
+"""Runs every ```python block of Markdown documents and every code cell of notebooks: each
+document's code in order, in a namespace of its own.
 
-Usage: code_blocks.py [--report REPORT.json] DOCUMENT.md [DOCUMENT.md ...]. The documents run
-one after another in this process (JAX starts once); a document whose block raises is
-reported with its traceback and the next one runs. The exit status is 1 if any failed;
+Usage: code_blocks.py [--report REPORT.json] DOCUMENT [DOCUMENT ...], each a `.md` or an
+`.ipynb`. The documents run one after another in this process (JAX starts once); a document
+whose code raises is reported with its traceback and the next one runs. A notebook runs in a
+new temporary working directory (its cells may write files), as "Run all" in a fresh kernel
+would run it; a Markdown document in this process's. The exit status is 1 if any failed;
 `--report` writes `{document's name: null, or the traceback}`. `test_docs.py` runs it in a
 subprocess that forces 8 CPU devices (README's distributed examples use them).
 """
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
+import sys
+import tempfile
 import traceback
 
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
-def blocks(path: pathlib.Path) -> list[tuple[int, str]]:
-  """`(line number, code)` of each ```python block."""
+def blocks(path: pathlib.Path) -> list[tuple[str, str]]:
+  """`(where, code)` of each ```python block of a Markdown document ("block at line N") or
+  each code cell of a notebook ("cell N", counting code cells from 1)."""
+  if path.suffix == ".ipynb":
+    cells = json.loads(path.read_text())["cells"]
+    sources = ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
+    return [(f"cell {i}", source) for i, source in enumerate(sources, 1)]
   text = path.read_text()
-  return [(text.count("\n", 0, m.start()) + 2, m.group(1)) for m in FENCE.finditer(text)]
+  return [(f"block at line {text.count(chr(10), 0, m.start()) + 2}", m.group(1))
+          for m in FENCE.finditer(text)]
 
 
 def run(path: pathlib.Path) -> None:
-  """Runs the blocks of `path` in order, in one new namespace."""
+  """Runs the code of `path` in order, in one new namespace (a notebook in a new temporary
+  working directory)."""
   namespace = {"__name__": "__main__"}
-  for line, code in blocks(path):
-    exec(compile(code, f"{path.name}, block at line {line}", "exec"), namespace)  # noqa: S102
+  with contextlib.ExitStack() as stack:
+    if path.suffix == ".ipynb":
+      stack.enter_context(contextlib.chdir(stack.enter_context(tempfile.TemporaryDirectory())))
+    for where, code in blocks(path):
+      exec(compile(code, f"{path.name}, {where}", "exec"), namespace)  # noqa: S102
+  if "matplotlib.pyplot" in sys.modules:  # the next document starts without this one's figures
+    sys.modules["matplotlib.pyplot"].close("all")
   print(f"ran {len(blocks(path))} blocks of {path.name}", flush=True)
 
 

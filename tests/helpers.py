@@ -130,34 +130,3 @@ def float16_normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
 def mse(prediction, target):
   """The mean squared error, in float32."""
   return jnp.mean((prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
-
-
-def run_notebooks(paths, tmp_path_factory) -> dict:
-  """Runs every notebook of `paths` top to bottom in one Jupyter kernel (it starts once),
-  each from a namespace and a working directory of its own, with this process's
-  environment (its compilation cache too): `{notebook's name: its first error's
-  traceback}`, empty when all ran; a failure between notebooks is under `None`."""
-  import nbformat
-  from nbclient import NotebookClient
-
-  cells, owners = [], []
-  for path in paths:
-    directory = tmp_path_factory.mktemp(path.stem)
-    cells.append(nbformat.v4.new_code_cell(
-        "%reset -f\n"
-        "import os as _os, matplotlib.pyplot as _plt\n"
-        f"_plt.close('all'); _os.chdir({str(directory)!r})\n"
-        "del _os, _plt"))
-    owners.append(None)
-    for cell in nbformat.read(path, as_version=4).cells:
-      if cell.cell_type == "code":
-        cells.append(nbformat.v4.new_code_cell(cell.source))
-        owners.append(path.name)
-  combined = nbformat.v4.new_notebook(cells=cells)
-  NotebookClient(combined, timeout=120, kernel_name="python3", allow_errors=True).execute()
-  errors = {}
-  for cell, owner in zip(combined.cells, owners, strict=True):
-    for output in cell.outputs:
-      if output.output_type == "error":
-        errors.setdefault(owner, "\n".join(output.traceback))
-  return errors

@@ -1,5 +1,11 @@
-"""README and the guide: every Python block runs, every link resolves, the site builds
-cleanly with the notebooks rendered, and CI runs README's test command."""
+"""README, the guide and the notebooks: every Python block and code cell runs, notebooks are
+stored without outputs, every link resolves, the site builds cleanly with the notebooks
+rendered, and CI runs README's test command.
+
+`transformer.ipynb` trains two of the transformer demo's runs at the sizes its test trains
+them, so it runs in `test_transformer_demo.py`, after those runs, on the programs they
+compiled.
+"""
 
 import json
 import pathlib
@@ -7,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import nbformat
 import pytest
 from code_blocks import blocks
 from helpers import clean_env
@@ -16,14 +23,15 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-RUNNABLE = [d for d in DOCUMENTS if blocks(d)]
+RUNNABLE = [d for d in DOCUMENTS if blocks(d)] + [
+    p for p in NOTEBOOKS if p.name != "transformer.ipynb"]
 
 
 @pytest.fixture(scope="module")
 def ran_documents(tmp_path_factory):
-  """Every document's blocks, run by `code_blocks.py` in one subprocess (JAX starts once),
-  each document in a namespace of its own: `({document's name: None, or the traceback},
-  the subprocess's exit status, its output)`."""
+  """Every document's blocks and every notebook's cells, run by `code_blocks.py` in one
+  subprocess (JAX starts once), each document in a namespace of its own: `({document's
+  name: None, or the traceback}, the subprocess's exit status, its output)`."""
   report = tmp_path_factory.mktemp("code_blocks") / "report.json"
   result = subprocess.run(
       [sys.executable, str(ROOT / "tests" / "code_blocks.py"), "--report", str(report),
@@ -41,6 +49,17 @@ def test_every_python_block_runs(document, ran_documents):
   assert document.name in failures, output  # the process ended before this document ran
   assert failures[document.name] is None, failures[document.name][-6000:]
   assert returncode == any(failures.values()), output  # nothing failed after the documents
+
+
+def test_there_are_notebooks():
+  assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "porting.ipynb", "frameworks.ipynb",
+                                         "transformer.ipynb"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+  notebook = nbformat.read(path, as_version=4)
+  assert all(not cell.get("outputs") for cell in notebook.cells)
 
 
 def test_the_docs_build_without_warnings_with_the_notebooks_rendered(tmp_path):
