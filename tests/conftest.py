@@ -12,9 +12,9 @@ from helpers import force_branch
 # The files that take longest (`pytest --durations=0`, summed per file), run first: the two
 # workers of `-n 2 --dist loadfile` then end together instead of one waiting on the other.
 HEAVIEST_FIRST = ("test_transformer_demo.py", "test_transform.py", "test_distributed.py",
-                  "test_demo.py", "test_docs.py", "test_real_programs.py",
+                  "test_docs.py", "test_demo.py", "test_real_programs.py",
                   "test_probe_frameworks.py", "test_probes.py", "test_probe_equinox.py",
-                  "test_autocast.py", "test_benchmarks.py")
+                  "test_benchmarks.py", "test_autocast.py", "test_finite.py")
 
 
 def pytest_configure(config):
