@@ -38,14 +38,15 @@ def run(path: pathlib.Path) -> None:
   """Runs the code of `path` in order, in one new namespace (a notebook in a new temporary
   working directory)."""
   namespace = {"__name__": "__main__"}
+  code_blocks = blocks(path)  # read before a notebook's working directory replaces this one
   with contextlib.ExitStack() as stack:
     if path.suffix == ".ipynb":
       stack.enter_context(contextlib.chdir(stack.enter_context(tempfile.TemporaryDirectory())))
-    for where, code in blocks(path):
+    for where, code in code_blocks:
       exec(compile(code, f"{path.name}, {where}", "exec"), namespace)  # noqa: S102
   if "matplotlib.pyplot" in sys.modules:  # the next document starts without this one's figures
     sys.modules["matplotlib.pyplot"].close("all")
-  print(f"ran {len(blocks(path))} blocks of {path.name}", flush=True)
+  print(f"ran {len(code_blocks)} blocks of {path.name}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
