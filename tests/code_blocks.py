@@ -30,8 +30,22 @@ def blocks(path: pathlib.Path) -> list[tuple[str, str]]:
     sources = ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
     return [(f"cell {i}", source) for i, source in enumerate(sources, 1)]
   text = path.read_text()
-  return [(f"block at line {text.count(chr(10), 0, m.start()) + 2}", m.group(1))
-          for m in FENCE.finditer(text)]
+  found = []
+  for match in FENCE.finditer(text):
+    line = text.count("\n", 0, match.start()) + 2  # the block's first line of code
+    found.append((f"block at line {line}", match.group(1)))
+  return found
+
+
+@contextlib.contextmanager
+def working_directory(path: pathlib.Path):
+  """A new temporary working directory while a notebook runs (its cells may write files);
+  this process's own for a Markdown document."""
+  if path.suffix != ".ipynb":
+    yield
+    return
+  with tempfile.TemporaryDirectory() as directory, contextlib.chdir(directory):
+    yield
 
 
 def run(path: pathlib.Path) -> None:
@@ -39,9 +53,7 @@ def run(path: pathlib.Path) -> None:
   working directory)."""
   namespace = {"__name__": "__main__"}
   code_blocks = blocks(path)  # read before a notebook's working directory replaces this one
-  with contextlib.ExitStack() as stack:
-    if path.suffix == ".ipynb":
-      stack.enter_context(contextlib.chdir(stack.enter_context(tempfile.TemporaryDirectory())))
+  with working_directory(path):
     for where, code in code_blocks:
       exec(compile(code, f"{path.name}, {where}", "exec"), namespace)  # noqa: S102
   if "matplotlib.pyplot" in sys.modules:  # the next document starts without this one's figures
