@@ -5,6 +5,9 @@ donated `update + apply_updates` step of Adam over N float32 parameters split in
 leaves, for:
 
   plain        optax.adam, no loss scaling (the reference)
+  all_finite, then cond  no loss scale: `lax.cond(jls.all_finite(grads), adam step,
+               keep everything)`, the check and the skip alone (what a step that skips
+               bit-identically must do: decide before its first write)
   jls.update   loss_scaling(adam) with its defaults: tx.update + optax.apply_updates
                (what optax.chain, flax's TrainState and nnx.Optimizer call)
   jls.apply_gradients  the same transformation's fused tx.apply_gradients
@@ -70,8 +73,13 @@ def variants(optimizer: optax.GradientTransformation, clip_norm: float | None = 
   def jls_fused_step(params, state, grads):
     return tx.apply_gradients(grads, state, params)
 
+  def check_then_cond_step(params, state, grads):
+    return jax.lax.cond(jls.all_finite(grads), plain_step, lambda p, s, g: (p, s),
+                        params, state, grads)
+
   out = {
       "plain": (inner.init, plain_step),
+      "all_finite, then cond": (inner.init, check_then_cond_step),
       "jls.update": (tx.init, jls_step),
       "jls.apply_gradients": (tx.init, jls_fused_step),
   }
