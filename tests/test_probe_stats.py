@@ -161,16 +161,21 @@ def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
   assert float(probe_stats.largest_gradient(probes.encoded[:1])) == float(bounds[0])
 
 
-def test_reading_a_probe_compiles_one_program_per_shape_not_one_per_operation():
-  def rows(hits):  # 13 rows: a shape no other test reads
+def test_reading_probes_compiles_one_program_per_shape_not_one_per_operation_or_size():
+  def rows(hits, zeros):  # 13 rows: a shape no other test reads
     encoded = np.zeros((13, 2, probe_stats.WIDTH), np.float32)
     encoded[..., probe_stats.VALUES + 127] = hits
+    encoded[..., 1] = zeros
     return jnp.asarray(encoded)
 
-  once, twice = rows(1.0), rows(2.0)
+  once, twice, as_fractions = rows(1.0, 3.0), rows(2.0, 3.0), rows(1.0, 0.75)
   with count_compiles() as compiles:
-    first = probe_stats.summary(once)
+    first = probe_stats.summary(once, 4)
   with count_compiles() as again:
-    later = probe_stats.summary(twice)
+    later = probe_stats.summary(twice, 6)  # another probe: hit twice, of 6 elements
+    fractions = probe_stats.summary(as_fractions)  # fractions, not counts
   assert len(compiles) == 1 and again == []
   assert np.asarray(first.hits).tolist() == [1] * 13 and np.asarray(later.hits).tolist() == [2] * 13
+  assert np.asarray(first.forward.zero_fraction).tolist() == [0.75] * 13  # 3 of 4
+  assert np.asarray(later.forward.zero_fraction).tolist() == [0.25] * 13  # 3 of 2 * 6
+  assert np.asarray(fractions.backward.zero_fraction).tolist() == [0.75] * 13

@@ -60,11 +60,17 @@ class ProbeSummary(NamedTuple):
   headroom: jax.Array
 
 
-# Compiled once per shape: read eagerly, each operation would compile its own.
-@functools.partial(jax.jit, static_argnums=1)
 def summary(encoded: jax.Array, size: int | None = None) -> ProbeSummary:
   """A probe's `ProbeSummary` from its encoded sums over hits (`Probes.encoded`) and
   its elements per hit (`Probes.sizes`; None: the sums are of fractions)."""
+  return _summary(encoded, np.float32(1 if size is None else max(size, 1)))  # 0 of nothing
+
+
+# Read eagerly, each operation would compile its own program; jitted, one program per
+# shape of `encoded`. The size is an argument, not part of the program: every probe of
+# one shape, whatever its tensor's size, is read by the same program.
+@jax.jit
+def _summary(encoded: jax.Array, size: jax.Array) -> ProbeSummary:
   hits = encoded[..., 0, VALUES:].sum(-1)
   forward, backward = (_summarize(hits, encoded[..., i, :VALUES], encoded[..., i, VALUES:],
                                   size) for i in (0, 1))
@@ -95,7 +101,7 @@ def _hits_and_top(a, b):
 
 
 def _summarize(hits, values, binades, size) -> TensorSummary:
-  per_hit = jnp.maximum(hits, 1) * (1 if size is None else max(size, 1))  # 0 of nothing
+  per_hit = jnp.maximum(hits, 1) * size
   mean = lambda total: jnp.where(hits > 0, total / per_hit, 0.0)
   return TensorSummary(jnp.where(hits == 1, values[..., 0], _binade_bottom(binades)),
                        binades[..., NUM_BINADES - 1] == 0, mean(values[..., 1]),
