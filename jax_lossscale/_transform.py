@@ -723,12 +723,18 @@ class _Step:
 
 def _traced_once(run, static, inputs):
   """`run` traced at most once, and the shapes of its output's arrays. Inside `jit` it is
-  a nested `jit`, whose cached trace `eval_shape` and the `lax.cond` reuse (XLA inlines
-  the call): tracing an optimizer over a thousand leaves costs as much as compiling
-  hundreds of them."""
+  a nested `jit`, whose cached trace `eval_shape` and the `lax.cond` reuse: tracing an
+  optimizer over a thousand leaves costs as much as compiling hundreds of them.
+
+  The nested `jit` is inlined by JAX (`inline=True`), so the program has no call in it:
+  left as a call, which XLA inlines later, XLA:CPU ordered the optimizer's loops by kind
+  (every leaf's first moment, then every second moment) instead of leaf by leaf, and each
+  gradient's second read no longer came from cache (benchmarks/RESULTS.md, "The
+  optimizer's loops leaf by leaf").
+  """
   arrays = _trees.arrays_of(run, static)
   if any(_jax_internals.is_tracer(x) for x in jax.tree.leaves(inputs)):
-    arrays = jax.jit(arrays)
+    arrays = jax.jit(arrays, inline=True)
   return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
 
 
