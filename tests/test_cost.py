@@ -134,8 +134,8 @@ def test_the_decision_is_compiled_once_not_into_every_kernel_that_reads_it(fused
 def test_the_inner_optimizer_is_lowered_into_the_step_not_called_as_a_function(fused):
   # Called as a function, which XLA inlines later, Adam's loops came out ordered by kind
   # on XLA:CPU (every leaf's first moment, then every second moment), so each gradient's
-  # second read missed the cache: 1.08-1.17x plain Adam at 10**7 parameters in 64 leaves,
-  # against 1.03-1.11x lowered inline (benchmarks/RESULTS.md).
+  # second read missed the cache; lowered inline they run leaf by leaf (benchmarks/
+  # RESULTS.md, "The optimizer's loops leaf by leaf").
   tx = jls.loss_scaling(optax.adam(1e-3))
 
   def step(params, state, grads):
