@@ -30,7 +30,10 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
   are deliberate), only float32, float16 and bfloat16.
 - **At traced precision** (`AS_TRACED`): primitives whose meaning depends on the dtype
   (`bitcast_convert_type`, `reduce_precision`), scatters and generic reductions (their
-  combiner is a program typed by the traced dtype), and host callbacks.
+  combiner is a program typed by the traced dtype), host callbacks, and linear solves
+  (`custom_linear_solve`: `jnp.linalg.solve`, `jnp.linalg.inv`,
+  `jax.scipy.sparse.linalg.cg`: a solve's factorization or iterations would lose their
+  accuracy in float16).
 
 A gather reads its table as it is: an embedding lookup from a float32 table gathers
 float32 rows, and its backward pass scatter-adds float32 cotangents.
@@ -48,9 +51,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
+from typing import ClassVar
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +84,7 @@ AS_TRACED = frozenset({
     "scatter-sub", "scatter_sub", "scatter-mul", "scatter_mul", "scatter-min",
     "scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window",
     "select_and_scatter", "pure_callback", "io_callback", "debug_callback",
+    "custom_linear_solve",
 })
 
 FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call",
@@ -123,21 +130,28 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
     A function with `fun`'s signature, whose outputs have `fun`'s dtypes.
 
   Raises:
+    TypeError: if `fun` is not callable.
     ValueError: if `compute_dtype` is not a floating dtype.
   """
+  if not callable(fun):
+    raise TypeError(f"autocast's `fun` must be callable, got {fun!r} of type "
+                    f"{type(fun).__name__}.")
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
     leaves, rebuild = _trees.copier((args, kwargs))
-    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+    traced_leaves = tuple(i for i, leaf in enumerate(leaves) if _is_array(leaf))
+    arrays = [leaves[i] for i in traced_leaves]
 
     def traced(*new_arrays):
       refill = iter(new_arrays)
       copy = rebuild([next(refill) if _is_array(leaf) else leaf for leaf in leaves])
       return fun(*copy[0], **copy[1]), _nnx_state(copy)
 
-    program, out_tree = internals.trace(traced, arrays)
+    # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
+    named = internals.Named("autocast", fun, args, kwargs, traced_leaves)
+    program, out_tree = internals.trace(traced, arrays, named)
     out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
@@ -210,9 +224,19 @@ class _Interpreter:
   def _unknown(self, op: internals.Operation, operands: list) -> list:
     if op.name not in self.warned:
       self.warned.add(op.name)
-      warnings.warn(f"autocast does not know how to run `{op.name}` at other precisions; "
-                    "it runs at the precision it was traced with.", stacklevel=2)
+      _warn_at(op.source, f"autocast does not know how to run `{op.name}` at other "
+               "precisions; it runs at the precision it was traced with.")
     return op.bind(_as_traced(op, operands))
+
+
+def _warn_at(source: internals.Source, message: str) -> None:
+  """A `UserWarning` pointing at the user's line that wrote the operation (this module's
+  own line where JAX did not record it); shown once per line, as `warnings.warn`'s."""
+  if not source.file:
+    warnings.warn(message, stacklevel=3)
+    return
+  warnings.warn_explicit(message, UserWarning, source.file, source.line,
+                         registry=globals().setdefault("__warningregistry__", {}))
 
 
 def _dtype(x: Any) -> np.dtype | None:
@@ -262,43 +286,112 @@ def _widest(op: internals.Operation, operands: list) -> list:
   return [_cast(x, target) if _is_floating(x) else x for x in operands]
 
 
+class Location(NamedTuple):
+  """Where operations were written, in a precision summary.
+
+  Attributes:
+    scope: their name scope (`jax.named_scope`, a flax linen module path), its parts
+      joined by `/`; empty where none.
+    file: the source file of the innermost line of your code that made them (outside
+      JAX, the standard library and installed packages, unless all lines are in one);
+      empty where JAX did not record it.
+    line: that line's number (0 where unknown).
+    function: the function that line is in.
+  """
+  scope: str
+  file: str
+  line: int
+  function: str
+
+  def __str__(self) -> str:
+    function = self.function.rpartition("<locals>.")[2]  # a nested function by its name
+    line = f"{os.path.basename(self.file)}:{self.line} ({function})" if self.file else ""
+    return ": ".join(part for part in (self.scope, line) if part) or "unknown"
+
+
+class Site(NamedTuple):
+  """How many operations of a precision summary's row were written at one location.
+
+  Attributes:
+    primitive: the row's primitive.
+    dtype: the row's dtype name.
+    location: where they were written.
+    forward: how many of them are in the forward pass.
+    backward: how many in the backward pass.
+  """
+  primitive: str
+  dtype: str
+  location: Location
+  forward: int
+  backward: int
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionSummary:
   """What ran in which dtype: for each primitive that computed on floating values, how
-  many times it occurs in the program in each dtype, forward and backward.
+  many times it occurs in the program in each dtype, forward and backward, and where.
 
-  `print(summary)` shows it as a table; a loop body's operations count once.
+  `print(summary)` shows it as a table, each row followed by its locations (up to
+  `SHOWN`, the most frequent first); a loop body's operations count once.
 
   Attributes:
     rows: `(primitive, dtype name, forward count, backward count)`, by primitive name.
+    sites: each row's locations, with their counts (`Site`), row by row.
   """
   rows: tuple[tuple[str, str, int, int], ...]
+  sites: tuple[Site, ...] = ()
+
+  SHOWN: ClassVar[int] = 4
 
   def count(self, primitive: str, dtype: Any, backward: bool = False) -> int:
     """How many times `primitive` ran in `dtype` in the forward (or backward) pass."""
     name = np.dtype(dtype).name
     return sum(b if backward else f for p, d, f, b in self.rows if (p, d) == (primitive, name))
 
+  def locations(self, primitive: str, dtype: Any, backward: bool = False) -> dict[Location, int]:
+    """Where `primitive` ran in `dtype` in the forward (or backward) pass: each `Location`
+    (name scope, file, line, function) with how many times it ran there, in the order of
+    the program. A backward operation is located where the operation it differentiates
+    was written."""
+    name = np.dtype(dtype).name
+    return {site.location: site.backward if backward else site.forward for site in self.sites
+            if (site.primitive, site.dtype) == (primitive, name)
+            and (site.backward if backward else site.forward)}
+
   def __str__(self) -> str:
     width = max([len(p) for p, *_ in self.rows] + [9])
-    lines = [f"{'primitive':<{width}}  {'dtype':<8}  {'forward':>7}  {'backward':>8}"]
-    lines += [f"{p:<{width}}  {d:<8}  {f:>7}  {b:>8}" for p, d, f, b in self.rows]
+    lines = [f"{'primitive':<{width}}  {'dtype':<8}  {'forward':>7}  {'backward':>8}  location"]
+    for p, d, f, b in self.rows:
+      lines.append(f"{p:<{width}}  {d:<8}  {f:>7}  {b:>8}")
+      sites = sorted((site for site in self.sites if (site.primitive, site.dtype) == (p, d)),
+                     key=lambda site: -(site.forward + site.backward))  # stable: program order
+      lines += [f"{'':<{width}}  {'':<8}  {site.forward:>7}  {site.backward:>8}  {site.location}"
+                for site in sites[:self.SHOWN]]
+      if len(sites) > self.SHOWN:
+        lines.append(f"{'':<{width}}  {'':<8}  {'':>7}  {'':>8}  "
+                     f"... {len(sites) - self.SHOWN} more (summary.locations({p!r}, {d!r}))")
     return "\n".join(lines)
 
 
 def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> PrecisionSummary:
-  """Which dtype each primitive of `fun(*args, **kwargs)` ran in, forward and backward.
+  """Which dtype each primitive of `fun(*args, **kwargs)` ran in, forward and backward,
+  and where in your code.
 
   Any function: an `autocast` one, to check that nothing precision-sensitive ran in
   float16 and that the matmuls did; a hand-cast one, to compare. The backward pass is
-  that of the floating outputs with respect to the floating array arguments (none for a
-  function that cannot be differentiated in reverse mode, such as a `while_loop`); a
-  custom derivative rule's primal function is replaced by its rule there::
+  that of the floating outputs with respect to the floating array arguments; a custom
+  derivative rule's primal function is replaced by its rule there. Each row lists where
+  its operations were written: their name scope (`jax.named_scope`, a flax linen module
+  path) and the line of your code; a backward operation is located where the operation
+  it differentiates was::
 
     print(jls.precision_summary(jls.autocast(loss_fn), params, batch))
-    # primitive     dtype     forward  backward
+    # primitive     dtype     forward  backward  location
     # dot_general   float16         2         4
+    #                               1         2  model.py:12 (loss_fn)
+    #                               1         2  model.py:13 (loss_fn)
     # exp           float32         1         1
+    #                               1         1  model.py:14 (loss_fn)
 
   Args:
     fun: the function.
@@ -306,7 +399,12 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
     **kwargs: its keyword arguments.
 
   Returns:
-    A `PrecisionSummary`; `print` it for the table.
+    A `PrecisionSummary`; `print` it for the table, `locations` for where a row ran.
+
+  Warns:
+    UserWarning: if `fun` cannot be differentiated in reverse mode (a `while_loop` on
+      its floating arguments): the summary then has no backward pass. Any other error
+      while tracing `fun` or its derivative is raised.
   """
   leaves, rebuild = _trees.copier((args, kwargs))
   wrt = [i for i, leaf in enumerate(leaves) if _is_array(leaf) and _is_floating(leaf)]
@@ -327,11 +425,24 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   try:
     program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
     cotangents = range(len(wrt), len(wrt) + len(shapes))
-  except Exception:  # not reverse-differentiable: a while loop
+  except (ValueError, NotImplementedError) as error:
+    if not internals.not_reverse_differentiable(error):
+      raise
+    warnings.warn(f"precision_summary: `fun` cannot be differentiated in reverse mode "
+                  f"({error}); the summary has no backward pass.", stacklevel=2)
     program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
     cotangents = range(0)
-  counts = collections.Counter((ran.name, ran.dtype.name, ran.backward)
-                               for ran in internals.operations_ran(program, cotangents))
+  ran = internals.operations_ran(program, cotangents)
+  counts = collections.Counter((r.name, r.dtype.name, r.backward) for r in ran)
   keys = sorted({(name, dtype) for name, dtype, _ in counts})
-  return PrecisionSummary(tuple((name, dtype, counts[name, dtype, False],
-                                 counts[name, dtype, True]) for name, dtype in keys))
+  at = collections.Counter((r.name, r.dtype.name, Location(
+      r.source.scope, r.source.file, r.source.line, r.source.function), r.backward) for r in ran)
+  locations = collections.defaultdict(dict)  # each row's locations, in the program's order
+  for name, dtype, location, _ in at:
+    locations[name, dtype][location] = None
+  return PrecisionSummary(
+      tuple((name, dtype, counts[name, dtype, False], counts[name, dtype, True])
+            for name, dtype in keys),
+      tuple(Site(name, dtype, location, at[name, dtype, location, False],
+                 at[name, dtype, location, True])
+            for name, dtype in keys for location in locations[name, dtype]))

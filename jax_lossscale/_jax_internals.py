@@ -29,7 +29,14 @@ What is read, and why:
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
-  private), for `autocast` and its precision summary.
+  private), for `autocast` and its precision summary; `trace` names the user's function
+  and arguments in JAX's errors (`jax.api_util.debug_info`, read by `jax.make_jaxpr`
+  through the function's `__fun_debug_info__`, private).
+- `Source`, `Operation.source`: where an operation was written, its name scope and the
+  user's line, from the equation's `source_info` (`source_info_util`'s frames, private).
+- `not_reverse_differentiable`: whether an error means that a program cannot be
+  differentiated in reverse mode (a `while_loop`; JAX raises a plain `ValueError` or
+  `NotImplementedError`, told apart by its message).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import pathlib
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterator
@@ -250,7 +258,9 @@ except ImportError:  # pragma: no cover (a JAX that moved it: operations lose th
 
 def _source_of(eqn: Equation) -> Any:
   """Binds in `eqn`'s name scope (`jax.named_scope`, flax's module paths: profiles and
-  compiled programs name operations by it) and its context (a mesh, metadata)."""
+  compiled programs name operations by it), with its traceback (what is bound there is
+  located at the user's line, the casts in front of it too) and its context (a mesh,
+  metadata)."""
   if _source_info is None:  # pragma: no cover
     return eqn.ctx.manager
   scope = _source_info.current_name_stack() + eqn.source_info.name_stack
@@ -258,6 +268,53 @@ def _source_of(eqn: Equation) -> Any:
   stack.enter_context(_source_info.user_context(eqn.source_info.traceback, name_stack=scope))
   stack.enter_context(eqn.ctx.manager)
   return stack
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where an operation was written.
+
+  Attributes:
+    scope: its name scope (`jax.named_scope`, a flax linen module path), its parts joined
+      by `/`; differentiation's and other transformations' names left out. Empty where
+      none.
+    file: the source file of the innermost line of the user's code that made it: outside
+      JAX, the standard library and installed packages (where every line is in one, the
+      innermost outside JAX). Empty where JAX did not record it.
+    line: that line's number (0 where unknown).
+    function: the function that line is in (its qualified name).
+  """
+  scope: str = ""
+  file: str = ""
+  line: int = 0
+  function: str = ""
+
+
+def _source(eqn: Equation, outer: Source = Source()) -> Source:
+  """`eqn`'s `Source`, inside a program run by an operation written at `outer` (a jitted
+  function's or a loop body's equations are scoped relative to the operation that holds
+  them, and located at its line where JAX recorded none of the user's, as in a jitted
+  `jnp` function)."""
+  if _source_info is None:  # pragma: no cover
+    return outer
+  scope = "/".join(filter(None, (outer.scope, *_scopes(eqn))))
+  frames = list(_source_info.user_frames(eqn.source_info.traceback))
+  frame = next((f for f in frames if not _installed(f.file_name)), frames[0] if frames else None)
+  if frame is None:
+    return dataclasses.replace(outer, scope=scope)
+  return Source(scope, frame.file_name, frame.start_line, frame.function_name)
+
+
+def _scopes(eqn: Equation) -> tuple[str, ...]:
+  """The names of `eqn`'s name scopes, outermost first, without transformations'."""
+  return tuple(part.name for part in eqn.source_info.name_stack.stack
+               if isinstance(part, _source_info.Scope))
+
+
+@functools.cache
+def _installed(file: str) -> bool:
+  """Whether `file` is part of an installed package (not the user's own code)."""
+  return not {"site-packages", "dist-packages"}.isdisjoint(pathlib.PurePath(file).parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +338,52 @@ def _value_type(atom: Any) -> ValueType:
                    isinstance(atom, _core.Literal) and getattr(aval, "shape", None) == ())
 
 
-def trace(fun: Callable[..., Any], args: list) -> tuple[Program, Any]:
-  """`(program, out_tree)`: the program of `fun(*args)` and the tree of its outputs."""
+@dataclasses.dataclass(frozen=True)
+class Named:
+  """How JAX's errors name a traced function: the user's function, called with
+  `args` and `kwargs`, of which `leaves` (in the order of `jax.tree.leaves((args,
+  kwargs))`) are traced.
+
+  Attributes:
+    traced_for: what traces it (JAX's errors say "while tracing ... for `traced_for`").
+    fun: the user's function: its name and line.
+    args: its positional arguments.
+    kwargs: its keyword arguments.
+    leaves: the positions of the traced leaves among `(args, kwargs)`'s.
+  """
+  traced_for: str
+  fun: Callable[..., Any]
+  args: tuple
+  kwargs: dict
+  leaves: tuple[int, ...]
+
+
+def trace(fun: Callable[..., Any], args: list, named: Named | None = None
+          ) -> tuple[Program, Any]:
+  """`(program, out_tree)`: the program of `fun(*args)` and the tree of its outputs.
+
+  With `named`, an error while tracing (Python control flow on a traced value) names the
+  user's function and its arguments (`params['w']`), as `jax.jit`'s do, instead of `fun`
+  and its positions in `args`.
+  """
+  if named is not None:
+    fun = _named(fun, named)
   program, shapes = jax.make_jaxpr(fun, return_shape=True)(*args)
   return program, jax.tree.structure(shapes)
+
+
+def _named(fun: Callable[..., Any], named: Named) -> Callable[..., Any]:
+  """`fun`, which `jax.make_jaxpr` traces under `named`'s names: JAX's tracing reads a
+  function's debug information from `__fun_debug_info__` (private, both JAX versions)."""
+  info = jax.api_util.debug_info(named.traced_for, named.fun, named.args, named.kwargs)
+  names = info.arg_names
+  if names is not None and len(names) == len(jax.tree.leaves((named.args, named.kwargs))):
+    names = tuple(names[i] for i in named.leaves)
+  else:  # leaves that JAX does not flatten as `jax.tree` does (flax NNX modules' state)
+    names = None
+  wrapped = functools.wraps(fun)(lambda *args: fun(*args))
+  wrapped.__fun_debug_info__ = info._replace(arg_names=names)
+  return wrapped
 
 
 def output_types(program: Program) -> tuple[ValueType, ...]:
@@ -307,8 +406,9 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
               if not isinstance(v, _core.Literal)}
   last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
   for i, eqn in enumerate(jaxpr.eqns):
-    env.update(zip(eqn.outvars, run(Operation(eqn), [read(v) for v in eqn.invars]),
-                   strict=True))
+    with _source_of(eqn):  # what `run` binds, its casts included, is located at `eqn`
+      outs = run(Operation(eqn), [read(v) for v in eqn.invars])
+    env.update(zip(eqn.outvars, outs, strict=True))
     for v in eqn.invars:  # a value no later operation reads is let go (eager arrays)
       if not isinstance(v, _core.Literal) and last_use.get(v) == i:
         env.pop(v, None)
@@ -341,6 +441,11 @@ class Operation:
     return self.eqn.params.get(key, default)
 
   @property
+  def source(self) -> Source:
+    """Where it was written (its name scope relative to its program's)."""
+    return _source(self.eqn)
+
+  @property
   def holds_programs(self) -> bool:
     """Whether programs run inside it (a loop's body, a branch, a jitted function)."""
     return next(programs(self.eqn), None) is not None
@@ -356,11 +461,10 @@ class Operation:
         if any(map(is_program, jax.tree.leaves(value, is_leaf=is_program))))
 
   def bind(self, operands: list, **params: Any) -> list:
-    """Its results on `operands`, with `params` replacing its parameters of those names."""
+    """Its results on `operands`, with `params` replacing its parameters of those names
+    (in its name scope: called by `evaluate`'s `run`)."""
     eqn = self.eqn
-    bind_params = eqn.primitive.get_bind_params({**eqn.params, **params})
-    with _source_of(eqn):
-      out = eqn.primitive.bind(*operands, **bind_params)
+    out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params({**eqn.params, **params}))
     return list(out) if eqn.primitive.multiple_results else [out]
 
   def bind_rewritten(self, operands: list,
@@ -375,11 +479,10 @@ class Operation:
     params = self.eqn.params
     if self.name == "shard_map":
       body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))
-      with _source_of(self.eqn):
-        return list(jax.shard_map(
-            body, mesh=params["mesh"], in_specs=params["in_specs"],
-            out_specs=params["out_specs"], axis_names=set(params["newly_manual_axes"]),
-            check_vma=params["check_vma"])(*operands))
+      return list(jax.shard_map(
+          body, mesh=params["mesh"], in_specs=params["in_specs"],
+          out_specs=params["out_specs"], axis_names=set(params["newly_manual_axes"]),
+          check_vma=params["check_vma"])(*operands))
     new = {}
     for key in _PROGRAM_PARAMS[self.name]:
       value = params[key]
@@ -416,10 +519,12 @@ class Ran:
     dtype: the widest floating dtype among its operands (its results', for one with no
       floating operand).
     backward: whether it depends on the cotangents (it belongs to the backward pass).
+    source: where it was written (its name scope within the whole program).
   """
   name: str
   dtype: np.dtype
   backward: bool
+  source: Source = Source()
 
 
 def operations_ran(program: Program, backward_inputs: Sequence[int]) -> list[Ran]:
@@ -428,11 +533,11 @@ def operations_ran(program: Program, backward_inputs: Sequence[int]) -> list[Ran
   positions `backward_inputs` (the cotangents) are in the backward pass."""
   jaxpr = jaxpr_of(program)
   found: list[Ran] = []
-  _ran(jaxpr, {jaxpr.invars[i] for i in backward_inputs}, False, found)
+  _ran(jaxpr, {jaxpr.invars[i] for i in backward_inputs}, False, Source(), found)
   return found
 
 
-def _ran(jaxpr: Any, tainted: set, inside_backward: bool, found: list) -> None:
+def _ran(jaxpr: Any, tainted: set, inside_backward: bool, outer: Source, found: list) -> None:
   floating = lambda atoms: [a.aval.dtype for a in atoms if jnp.issubdtype(
       getattr(a.aval, "dtype", np.bool_), jnp.floating)]
   for eqn in jaxpr.eqns:
@@ -440,12 +545,27 @@ def _ran(jaxpr: Any, tainted: set, inside_backward: bool, found: list) -> None:
         not isinstance(v, _core.Literal) and v in tainted for v in eqn.invars)
     if backward:
       tainted.update(eqn.outvars)
-    inner = list(programs(eqn))
-    for program in inner:
+    source = _source(eqn, outer)
+    for program in programs(eqn):
       sub = jaxpr_of(program)
-      _ran(sub, set(sub.invars) if backward else set(), backward, found)
+      _ran(sub, set(sub.invars) if backward else set(), backward, source, found)
     dtypes = floating(eqn.invars) or floating(eqn.outvars)
     container = eqn.primitive.name in _PROGRAM_PARAMS or eqn.primitive.name == "shard_map"
     if dtypes and not container:  # a scatter's combiner program is part of its operation
       found.append(Ran(eqn.primitive.name, functools.reduce(jnp.promote_types, dtypes),
-                       backward))
+                       backward, source))
+
+
+# Differentiation.
+
+
+def not_reverse_differentiable(error: BaseException) -> bool:
+  """Whether `error`, raised while differentiating a function in reverse mode, means that
+  it has no reverse-mode derivative: a `while_loop` (or a `fori_loop` with traced bounds)
+  on a differentiated value, or a primitive with no transpose rule. JAX raises a plain
+  `ValueError` or `NotImplementedError` for them, told apart by their messages."""
+  message = str(error)
+  return ((isinstance(error, ValueError)
+           and "Reverse-mode differentiation does not work for lax.while_loop" in message)
+          or (isinstance(error, NotImplementedError)
+              and "Transpose rule (for reverse-mode differentiation)" in message))

@@ -4,6 +4,7 @@ Dtypes are asserted on the traced program, forward and backward, with
 `precision_summary`, inside every kind of sub-program; numerics against float32.
 """
 
+import inspect
 import warnings
 
 import equinox as eqx
@@ -273,8 +274,130 @@ def test_a_foreign_function_call_runs_as_traced_with_a_warning():
 
 def test_the_summary_prints_a_table_of_each_primitive_and_dtype():
   table = str(jls.precision_summary(jls.autocast(loss_of(mlp)), W, X))
-  assert table.splitlines()[0].split() == ["primitive", "dtype", "forward", "backward"]
+  assert table.splitlines()[0].split() == ["primitive", "dtype", "forward", "backward", "location"]
   assert any(line.split()[:2] == ["dot_general", "float16"] for line in table.splitlines())
+
+
+def test_linear_solves_run_at_traced_precision_without_a_warning():
+  a = W @ W.T + 4 * jnp.eye(4)  # symmetric positive definite, for cg
+  solves = {"solve": jnp.linalg.solve, "inv": lambda a, b: jnp.linalg.inv(a),
+            "cg": lambda a, b: jax.scipy.sparse.linalg.cg(lambda v: a @ v, b)[0]}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for solve in solves.values():
+      np.testing.assert_allclose(jls.autocast(solve)(a, X[0]), solve(a, X[0]), rtol=1e-5)
+
+
+# --- where operations ran, and messages in the user's words ----------------------------
+
+
+def line_of(fun, text):
+  """The line number of the line of `fun`'s source that contains `text`."""
+  lines, first = inspect.getsourcelines(fun)
+  [offset] = [i for i, line in enumerate(lines) if text in line]
+  return first + offset
+
+
+def two_layers(w, x):
+  h = jnp.tanh(x @ w)  # first layer
+  return jnp.sum(h @ w)  # second layer
+
+
+def test_the_summary_locates_each_rows_operations_at_the_users_lines_forward_and_backward():
+  ran = summary(jls.autocast(two_layers), W, X)
+  lines = [line_of(two_layers, "# first layer"), line_of(two_layers, "# second layer")]
+  for backward, each in ((False, 1), (True, 2)):
+    where = ran.locations("dot_general", F16, backward)
+    assert {(loc.file, loc.line, loc.function): n for loc, n in where.items()} == {
+        (__file__, line, "two_layers"): each for line in lines}
+
+
+def test_the_casts_autocast_inserts_are_located_at_the_operations_they_serve():
+  ran = summary(jls.autocast(two_layers), W, X)
+  casts = [loc for _, dtype, *_ in ran.rows for backward in (False, True)
+           for loc in ran.locations("convert_element_type", dtype, backward)]
+  assert casts and {loc.file for loc in casts} == {__file__}
+
+
+def test_the_summary_locates_operations_in_their_name_scope_inside_sub_programs():
+  def layer(h, w):
+    with jax.named_scope("dense"):
+      return jnp.tanh(h @ w)
+
+  def model(w, x):
+    with jax.named_scope("encoder"):
+      return jnp.sum(jax.jit(layer)(x, w))
+
+  ran = summary(jls.autocast(model), W, X)
+  for backward in (False, True):
+    assert {loc.scope for loc in ran.locations("dot_general", F16, backward)} == {
+        "encoder/dense"}
+
+
+def test_the_printed_summary_shows_a_few_locations_per_row_and_counts_the_rest():
+  def deep(w, x):
+    for i in range(jls.PrecisionSummary.SHOWN + 2):
+      with jax.named_scope(f"layer_{i}"):
+        x = x @ w
+    return jnp.sum(x)
+
+  table = str(summary(jls.autocast(deep), W, X))
+  line = line_of(deep, "x = x @ w")
+  assert f"layer_0: test_autocast.py:{line} (deep)" in table
+  assert "... 2 more (summary.locations('dot_general', 'float16'))" in table
+
+
+def test_a_gradient_that_raises_is_raised_by_the_summary():
+  @jax.custom_vjp
+  def broken(x):
+    return x
+
+  def backward(_, g):
+    raise ValueError("a broken backward rule")
+
+  broken.defvjp(lambda x: (x, None), backward)
+  with pytest.raises(ValueError, match="a broken backward rule"):
+    summary(lambda w, x: jnp.sum(broken(x @ w)), W, X)
+
+
+def test_a_function_with_no_reverse_derivative_is_summarized_forward_with_a_warning():
+  def looped(w, x):
+    body = lambda c: (c[0] + 1, jnp.tanh(c[1] @ w))
+    return jnp.sum(lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1])
+
+  with pytest.warns(UserWarning, match="reverse mode"):
+    ran = summary(jls.autocast(looped), W, X)
+  assert ran.count("dot_general", F16) == 1
+  assert not any(backward for *_, backward in ran.rows)
+
+
+def test_a_function_that_cannot_be_traced_is_named_with_its_arguments_as_jit_names_them():
+  def branchy(params, x):
+    if jnp.sum(x @ params["w"]) > 0:
+      return x
+    return -x
+
+  with pytest.raises(jax.errors.TracerBoolConversionError,
+                     match=r"branchy at .* arguments params\['w'\] and x") as error:
+    jls.autocast(branchy)({"w": W}, X)
+  assert "new_arrays" not in str(error.value)
+
+
+@pytest.mark.parametrize("fun", [3, None])
+def test_a_fun_that_is_not_callable_is_refused_at_once_naming_it(fun):
+  with pytest.raises(TypeError, match=f"`fun`.*{fun}"):
+    jls.autocast(fun)
+
+
+def test_an_unknown_primitives_warning_points_at_the_users_line():
+  def fun(w, x):
+    kernel = jax.ffi.ffi_call("some_kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return kernel(x @ w)  # the call
+
+  with pytest.warns(UserWarning, match="`ffi_call`") as caught:
+    jax.make_jaxpr(jls.autocast(fun))(W, X)
+  [warning] = [w for w in caught if "`ffi_call`" in str(w.message)]
+  assert (warning.filename, warning.lineno) == (__file__, line_of(fun, "# the call"))
 
 
 # --- numerics and training ----------------------------------------------------------

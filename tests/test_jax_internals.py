@@ -290,3 +290,49 @@ def test_a_user_context_value_is_part_of_jits_cache_key():
     with context(value):
       f(1.0)
   assert traces == ["a", "b"] and context.value is None
+
+
+def test_an_operation_tells_the_name_scope_and_user_line_it_was_written_at():
+  def f(x):
+    with jax.named_scope("layer"):
+      return jnp.tanh(x)  # here
+
+  program, _ = internals.trace(f, [jnp.ones(2)])
+  seen = []
+  internals.evaluate(program, [jnp.ones(2)], lambda op, xs: seen.append(op.source) or op.bind(xs))
+  line = f.__code__.co_firstlineno + 2
+  assert seen == [internals.Source("layer", __file__, line, f.__qualname__)]
+
+
+def test_what_run_binds_and_the_operations_inside_a_jitted_function_are_located_at_its_call():
+  def f(table):
+    with jax.named_scope("embed"):
+      return jnp.take(table, jnp.array([1, 0]), axis=0)  # a jitted jnp function
+
+  program, _ = internals.trace(f, [jnp.ones((2, 2))])
+  cast = lambda op, xs: op.bind([lax.convert_element_type(x, x.dtype) + 0 for x in xs])
+  rerun, _ = internals.trace(lambda t: internals.evaluate(program, [t], cast), [jnp.ones((2, 2))])
+  ran = internals.operations_ran(rerun, ())
+  line = f.__code__.co_firstlineno + 2
+  assert {"add", "gather"} <= {r.name for r in ran}
+  assert {(r.source.scope, r.source.file, r.source.line) for r in ran} == {
+      ("embed", __file__, line)}
+
+
+def test_reverse_mode_through_a_while_loop_is_told_apart_from_other_errors():
+  loop = lambda x: lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * x), (0, x))[1]
+  with pytest.raises(ValueError) as error:
+    jax.make_jaxpr(jax.grad(loop))(1.0)
+  assert internals.not_reverse_differentiable(error.value)
+  assert not internals.not_reverse_differentiable(ValueError("some other failure"))
+  assert not internals.not_reverse_differentiable(RuntimeError(str(error.value)))
+
+
+def test_a_traced_function_is_named_in_tracing_errors_by_the_users_function_and_arguments():
+  def user(params, scale):
+    return params
+
+  named = internals.Named("autocast", user, ({"w": jnp.ones(2)}, 3), {}, (0,))
+  with pytest.raises(jax.errors.TracerBoolConversionError,
+                     match=r"function user at .* for autocast.* argument params\['w'\]"):
+    internals.trace(lambda w: w if w[0] > 0 else -w, [jnp.ones(2)], named)
