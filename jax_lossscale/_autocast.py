@@ -157,7 +157,20 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
 
+  autocast_fun._jls_autocast_dtype = dtype  # read by `compute_dtype_of`
   return autocast_fun
+
+
+def compute_dtype_of(fun: Any) -> np.dtype | None:
+  """The `compute_dtype` of the `autocast` function `fun` is or wraps (through `jax.jit`,
+  `functools.partial` and `functools.wraps`), or None: `scaled_value_and_grad` warns
+  where it differentiates float16 under a loss scale of 1."""
+  for _ in range(100):  # a chain of wrappers, not a cycle
+    dtype = getattr(fun, "_jls_autocast_dtype", None)
+    if dtype is not None or fun is None:
+      return dtype
+    fun = fun.func if isinstance(fun, functools.partial) else getattr(fun, "__wrapped__", None)
+  return None
 
 
 def _nnx_state(tree: Any) -> list:

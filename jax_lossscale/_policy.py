@@ -180,6 +180,11 @@ class Policy:
     where float32's would not (float16 and the float8 types: a narrower exponent
     range); a `NoOpLossScale()` for float32, float64 and bfloat16, which has
     float32's range. Pass it to `loss_scaling`.
+
+    Under `autocast` the compute dtype that counts is autocast's: a policy switched to
+    float32 so that `autocast(fun, jnp.float16)` does the casting calls for a
+    `NoOpLossScale`, where float16 needs `loss_scaling(tx, "dynamic")`
+    (`scaled_value_and_grad` warns when it sees that pair).
     """
     if _numerics.has_short_range(self.compute_dtype):
       return _loss_scale.DynamicLossScale()

@@ -176,7 +176,8 @@ def _check_grads_like_params(grads: Any, params: Any) -> None:
   (`None` and leaves that are not arrays, as in equinox's filtered trees, are not
   compared), floating-point where the parameter is (only those are unscaled: without
   `params`, an integer gradient cannot be told from an integer parameter's and passes
-  as it is); a Python float in `params` (not trained, as in equinox) has no gradient.
+  as it is) and not where it is an integer array (its update would be truncated); a
+  Python float in `params` (not trained, as in equinox) has no gradient.
   `optax.lookahead`'s gradients are those of its fast params."""
   if params is None:
     return
@@ -205,6 +206,13 @@ def _check_grads_like_params(grads: Any, params: Any) -> None:
       raise TypeError(f"`grads{where}` is {jnp.result_type(g)}, but a gradient of the "
                       f"{jnp.result_type(p)} `params{where}` must be floating-point (it "
                       "would reach the optimizer unscaled).")
+    if _trees.is_array(p) and not _trees.is_float(p) and _trees.is_float(g):
+      raise TypeError(
+          f"`grads{where}` is {jnp.result_type(g)}, but `params{where}` is "
+          f"{jnp.result_type(p)}: its update would be cast back to {jnp.result_type(p)}, "
+          "truncated ([1, 5] minus 0.5 gives [0, 4]). Give an integer parameter no "
+          "floating-point gradient (None, or the float0 of jax.grad(..., allow_int=True)), "
+          "or make it floating-point to train it.")
   structures = [jax.tree.structure(t, is_leaf=is_none) for t in (grads, params)]
   if structures[0] != structures[1]:  # the same paths, other containers (a tuple, a list)
     raise ValueError("`grads` must have the structure of `params`: grads "

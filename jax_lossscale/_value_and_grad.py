@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -10,12 +11,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_lossscale import _autocast
 from jax_lossscale import _eager
 from jax_lossscale import _finite
 from jax_lossscale import _monitoring
 from jax_lossscale import _numerics
 from jax_lossscale import _trees
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._loss_scale import NoOpLossScale
 from jax_lossscale._transform import LossScalingState
 from jax_lossscale.probes import all_reduce_probes
 from jax_lossscale.probes import placed
@@ -81,6 +84,12 @@ def scaled_value_and_grad(
     `(value, grads, probes)` with `probes=True`: a `diagnostics.Probes` for
     `diagnostics.table`, `tx.update(..., probes=probes)` and `raise_if_stuck`.
 
+  Warns:
+    UserWarning: once, where `fun` is a float16 (or float8) `autocast` function and the
+      state's loss scale is a `NoOpLossScale` (what a policy computing in float32 calls
+      for, as one switched to float32 for `autocast` to cast): its gradients would
+      underflow unscaled.
+
   Raises:
     TypeError: (when called) if it is given a `LossScale` instead of the optimizer
       state (a loss scale kept apart from the optimizer goes stale as soon as the scale
@@ -113,6 +122,7 @@ def scaled_value_and_grad(
     return value, grads, measurements
 
   compiled = _eager.CompiledBySignature(differentiated)
+  unscaled_autocast = _UnscaledAutocast(name, _autocast.compute_dtype_of(fun))
 
   def scaled_value_and_grad_fn(opt_state, *args, **kwargs):
     if isinstance(opt_state, LossScale):
@@ -134,6 +144,7 @@ def scaled_value_and_grad(
           f"scaled_value_and_grad({name}) takes the optimizer state first, then "
           f"{name}'s arguments: call it as grad_fn(opt_state, *args), got the optimizer "
           f"state as {misplaced} and a {type(opt_state).__name__} first.") from error
+    unscaled_autocast.check(loss_scale)
     # Probes are found and measured in a context of their own on every trace: called
     # outside jit, the loss's every operation would compile again on every call.
     if probes and not _eager.traced((loss_scale, args, kwargs)):
@@ -143,6 +154,30 @@ def scaled_value_and_grad(
   scaled_value_and_grad_fn.__name__ = scaled_value_and_grad_fn.__qualname__ = (
       f"scaled_value_and_grad({name})")
   return scaled_value_and_grad_fn
+
+
+class _UnscaledAutocast:
+  """Warns once where a float16 `autocast` loss meets a `NoOpLossScale`: a policy
+  switched to float32 so that `autocast` does the casting calls for no scale, and
+  float16 would train unscaled without a word."""
+
+  def __init__(self, name: str, compute_dtype: Any):
+    self.name, self.compute_dtype = name, compute_dtype
+    self.warned = compute_dtype is None or not _numerics.has_short_range(compute_dtype)
+
+  def check(self, loss_scale: LossScale) -> None:
+    if self.warned or not isinstance(loss_scale, NoOpLossScale):
+      return
+    self.warned = True
+    warnings.warn(
+        f"scaled_value_and_grad({self.name}): {self.name} runs under jls.autocast in "
+        f"{self.compute_dtype.name}, but the optimizer state's loss scale is "
+        "NoOpLossScale (what a policy computing in float32 or bfloat16 calls for, such as "
+        "one switched to float32 for autocast to cast): its gradients are not scaled, and "
+        f"those below {self.compute_dtype.name}'s smallest value become zero. Give the "
+        "optimizer the scale autocast's dtype calls for: jls.loss_scaling(tx, 'dynamic') "
+        "or a jls.MeasuredLossScale() (a policy's loss_scale() is that of the policy's "
+        "own compute dtype, not autocast's).", stacklevel=3)
 
 
 def _loss_and_aux(out: Any, has_aux: bool, name: str) -> tuple[Any, Any]:

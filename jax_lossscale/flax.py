@@ -9,6 +9,9 @@ Importing this module imports flax; `import jax_lossscale` does not.
                               tx=jax_lossscale.loss_scaling(optax.adam(1e-3)))
     loss, grads = jax_lossscale.scaled_value_and_grad(loss_fn)(state.opt_state, state.params, x)
     state = state.apply_gradients(grads=grads, loss=loss)
+
+For a `MeasuredLossScale`, pass what `scaled_value_and_grad(..., probes=True)` measured as
+`apply_gradients(grads=grads, loss=loss, probes=probes)`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class TrainState(train_state.TrainState):
           "without loss scaling, use flax.training.train_state.TrainState.") from None
     return state
 
-  def apply_gradients(self, *, grads: Any, loss: Any = None, **kwargs) -> TrainState:
+  def apply_gradients(self, *, grads: Any, loss: Any = None, probes: Any = None,
+                      **kwargs) -> TrainState:
     """Applies one step of gradients of the scaled loss.
 
     Args:
@@ -64,6 +68,9 @@ class TrainState(train_state.TrainState):
         on an applied step: an overflowed step's inf never reaches it.
       loss: optional, the unscaled loss: a non-finite loss skips the step without
         changing the loss scale (see `jax_lossscale.loss_scaling`).
+      probes: optional, what the backward pass measured (`scaled_value_and_grad(...,
+        probes=True)`), for a `MeasuredLossScale` to set the next scale from, as
+        `tx.apply_gradients(..., probes=probes)` takes them.
       **kwargs: other fields to `replace`, as in flax (`batch_stats=...`). They follow
         the step's decision too: on a skipped step the old values are kept.
 
@@ -74,7 +81,8 @@ class TrainState(train_state.TrainState):
     overwrite = isinstance(grads, (dict, FrozenDict)) and OVERWRITE_WITH_GRADIENT in grads
     params, grads_to_optimize = (self.params["params"], grads["params"]) if overwrite \
         else (self.params, grads)
-    extra = {} if loss is None else {"loss": loss}
+    extra = {name: value for name, value in (("loss", loss), ("probes", probes))
+             if value is not None}
     new_params, opt_state = _transform.apply_gradients(
         self.tx, grads_to_optimize, self.opt_state, params, **extra)
     if overwrite:

@@ -66,6 +66,37 @@ def test_train_state_takes_the_loss_and_fuses_the_step():
   assert int(jls.metrics(state.opt_state)["nonfinite_loss_steps"]) == 1
 
 
+def test_train_state_feeds_the_probes_to_a_measured_scale():
+  # `probes=` went to `replace` as a field: AttributeError, 'TrainState' has no 'probes'.
+  # Small inputs and no biases: the activation gradients that the probes measure are
+  # about 60 times the parameter gradients, so they set the scale.
+  model = linen.Sequential([linen.Dense(8, use_bias=False), linen.relu,
+                            linen.Dense(2, use_bias=False)])
+  state = make_state(tx=jls.loss_scaling(optax.adam(1e-2), jls.MeasuredLossScale(history=1)),
+                     model=model)
+  grad_fn = jls.scaled_value_and_grad(loss_fn, probes=True)
+
+  @jax.jit
+  def probed_step(state, x, y):
+    loss, grads, probes = grad_fn(state.opt_state, state.params, state.apply_fn, x, y)
+    return state.apply_gradients(grads=grads, loss=loss, probes=probes), loss
+
+  losses = []
+  for _ in range(10):
+    state, loss = probed_step(state, X * 1e-3, Y)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0] and int(state.step) == 10
+  assert not int(state.opt_state.skipped_steps)
+  # The step is the transformation's own, probes included, and they set the scale.
+  _, grads, probes = grad_fn(state.opt_state, state.params, state.apply_fn, X * 1e-3, Y)
+  params, opt_state = state.tx.apply_gradients(grads, state.opt_state, state.params,
+                                               probes=probes)
+  stepped = state.apply_gradients(grads=grads, probes=probes)
+  chex.assert_trees_all_equal((stepped.params, stepped.opt_state), (params, opt_state))
+  unprobed = state.apply_gradients(grads=grads).opt_state.loss_scale()
+  assert float(stepped.opt_state.loss_scale()) < float(unprobed)
+
+
 @pytest.mark.parametrize("tx, why", [
     (optax.adam(1e-2), "found 0"),
     (optax.chain(optax.scale(1.0), jls.loss_scaling(optax.sgd(1.0))), "not the outermost")])

@@ -1,6 +1,9 @@
 """Specification of the precision policy, against DeepMind's jmp."""
 
+import functools
 import itertools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -217,3 +220,40 @@ def test_jmps_loss_scales_are_taken_where_ours_are():
   assert jls.get(jmp.NoOpLossScale()) == jls.NoOpLossScale()
   tx = jls.loss_scaling(optax.sgd(0.1), dynamic)
   assert float(tx.init({"w": jnp.ones(2)}).loss_scale()) == 2.0**12
+
+
+def autocast_step(loss_scale, compute_dtype, wrap=lambda f: f, calls=2):
+  """`calls` steps of a float32 model whose loss runs under `autocast(compute_dtype)`; the
+  warnings they raised."""
+  def loss_fn(params, x):
+    return jnp.mean((x @ params["w"]) ** 2)
+
+  params, x = {"w": jnp.ones((8, 2))}, jnp.ones((4, 8))
+  tx = jls.loss_scaling(optax.sgd(0.1), loss_scale)
+  state = tx.init(params)
+  grad_fn = jls.scaled_value_and_grad(wrap(jls.autocast(loss_fn, compute_dtype)))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    for _ in range(calls):
+      loss, grads = grad_fn(state, params, x)
+      params, state = tx.apply_gradients(grads, state, params, loss=loss)
+  return [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit, lambda f: functools.partial(f)],
+                         ids=["autocast", "jit", "partial"])
+def test_float16_autocast_under_a_float32_policys_scale_warns_once_naming_the_one_to_use(wrap):
+  # A levanter-style policy switched to float32 so that autocast does the casting calls
+  # for NoOpLossScale: float16 then trained unscaled, with no word.
+  policy = jmp.get_policy("p=f32,c=f32,o=f32")
+  messages = autocast_step(jls.get(policy), jnp.float16, wrap)
+  assert len(messages) == 1
+  assert re.search(r"autocast.*float16.*NoOpLossScale.*loss_scaling\(.*'dynamic'\)",
+                   messages[0], re.DOTALL)
+
+
+@pytest.mark.parametrize("loss_scale, compute_dtype", [
+    (jls.NoOpLossScale(), jnp.bfloat16), (jls.DynamicLossScale(), jnp.float16),
+    (jls.get_policy("p=f32,c=f16").loss_scale(), jnp.float16)])
+def test_autocast_with_the_scale_its_dtype_calls_for_does_not_warn(loss_scale, compute_dtype):
+  assert autocast_step(loss_scale, compute_dtype) == []

@@ -89,6 +89,21 @@ def test_integer_gradients_of_float_parameters_are_refused_not_passed_on_unscale
   assert bool(state.last_applied) and updates["w"].tolist() == [0.0] * 3
 
 
+@pytest.mark.parametrize("grad", [jnp.full(2, 0.5), jnp.full(2, 0.5, jnp.float16)],
+                         ids=["float32", "float16"])
+def test_a_floating_gradient_of_an_integer_parameter_is_refused_naming_it_not_truncated(
+    maybe_jit, grad):
+  # optax.apply_updates casts the sum back to the parameter's dtype: [1, 5] minus half a
+  # step became [0, 4], silently.
+  tx = jls.loss_scaling(optax.sgd(1.0))
+  params = {"w": jnp.ones(2), "layer": {"n": jnp.array([1, 5], jnp.int32)}}
+  grads = {"w": jnp.ones(2), "layer": {"n": grad}}
+  for step in (tx.update, tx.apply_gradients):
+    with pytest.raises(TypeError, match=rf"`grads\['layer'\]\['n'\]` is {grad.dtype}, but "
+                                        r"`params\['layer'\]\['n'\]` is int32"):
+      maybe_jit(step)(grads, tx.init(params), params)
+
+
 def test_gradients_in_other_containers_than_the_parameters_are_refused_naming_both():
   # A tuple and a list print the same key paths; the step then failed inside JAX.
   tx = jls.loss_scaling(optax.adam(0.1))
