@@ -28,12 +28,10 @@ def restore_state(saved: Any, like: Any) -> Any:
 
   The one call that restores a checkpoint written by an earlier version of the library
   (where the step counts were one int32 vector `counts`) or by another configuration of
-  `loss_scaling` (other `rounding` or `state_dtype`, `grad_norm` on or off):
+  `loss_scaling` (other `rounding` or `state_dtype`, `grad_norm` on or off)::
 
-  ```
-  saved = ocp.StandardCheckpointer().restore(directory)  # no target: plain containers
-  opt_state = jls.restore_state(saved, like=tx.init(params))
-  ```
+    saved = ocp.StandardCheckpointer().restore(directory)  # no target: plain containers
+    opt_state = jls.restore_state(saved, like=tx.init(params))
 
   flax's msgpack is read the same way: `serialization.msgpack_restore(data)`.
 
