@@ -5,6 +5,7 @@ from jax_lossscale import presets
 from jax_lossscale._autocast import PrecisionSummary
 from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import precision_summary
+from jax_lossscale._checkpoint import restore_state
 from jax_lossscale._finite import all_finite
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
@@ -61,6 +62,7 @@ __all__ = (
     "precision_summary",
     "presets",
     "raise_if_stuck",
+    "restore_state",
     "scaled_value_and_grad",
     "select_tree",
     "serialize",

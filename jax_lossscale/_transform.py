@@ -32,25 +32,36 @@ from jax_lossscale.probes import largest_gradient
 
 # --- the state ---------------------------------------------------------------------------
 
-COUNTS = ("skipped_steps", "consecutive_skips", "nonfinite_loss_steps",
-          "nonfinite_update_steps", "consecutive_nonfinite_loss", "consecutive_nonfinite_updates")
-# The counts that restart from 0 after an applied step.
-_STREAKS = (False, True, False, False, True, True)
+class StepCounts(NamedTuple):
+  """The step counts of `LossScalingState`, one int32 scalar each (saturating at the
+  int32 maximum, as `optax.safe_increment`).
 
-
-class _Count:
-  """A read-only attribute of `LossScalingState`: the count called `name`.
-
-  (The name is given, not taken from `__set_name__`, which `typing.NamedTuple` does not
-  call on Python 3.11.)
+  Attributes:
+    skipped_steps: steps skipped so far.
+    consecutive_skips: steps skipped in a row up to now.
+    nonfinite_loss_steps: steps skipped because the unscaled loss passed as `loss=` was
+      inf or NaN (a forward-pass problem, so the scale is left alone).
+    nonfinite_update_steps: steps skipped because the inner optimizer turned finite
+      gradients into inf or NaN updates of low-precision parameters (e.g. Adam's
+      `eps=1e-8`, which is 0 in float16) or, with `apply_gradients`, into updates that
+      overflow such a parameter.
+    consecutive_nonfinite_loss: how many of the `consecutive_skips` were for a non-finite
+      loss.
+    consecutive_nonfinite_updates: how many of the `consecutive_skips` were for non-finite
+      updates.
   """
 
-  def __init__(self, name: str, doc: str):
-    self.name = name
-    self.__doc__ = doc
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  nonfinite_loss_steps: jax.Array
+  nonfinite_update_steps: jax.Array
+  consecutive_nonfinite_loss: jax.Array
+  consecutive_nonfinite_updates: jax.Array
 
-  def __get__(self, state: LossScalingState | None, owner: type | None = None) -> Any:
-    return self if state is None else state.count(self.name)
+
+COUNTS = StepCounts._fields
+# The counts that restart from 0 after an applied step.
+_STREAKS = ("consecutive_skips", "consecutive_nonfinite_loss", "consecutive_nonfinite_updates")
 
 
 class LossScalingState(NamedTuple):
@@ -61,7 +72,8 @@ class LossScalingState(NamedTuple):
       multiplied by, with its counters.
     inner_state: the state of the wrapped transformation; left exactly as it was on a
       skipped step.
-    counts: int32 vector of the step counts below, in one array (one update per step).
+    counts: the `StepCounts`, one int32 scalar per count; each is also a property of
+      the state (`state.skipped_steps`).
     last_applied: bool scalar, whether the last step was applied.
     last_loss_scale: float32 scalar, the scale the last step's gradients were computed
       with (`unscale` divides by it; `loss_scale` may already hold the next one); the
@@ -71,44 +83,53 @@ class LossScalingState(NamedTuple):
       (float64 for float64 gradients), also on a skipped step: inf or NaN when they
       overflowed, NaN before any step; else None.
 
-  The counts, as properties: `skipped_steps` (steps skipped so far),
-  `consecutive_skips` (skipped in a row up to now), `nonfinite_loss_steps` (skipped
-  because the unscaled loss passed as `loss=` was inf or NaN: a forward-pass problem,
-  so the scale is left alone), `nonfinite_update_steps` (skipped because the inner
-  optimizer turned finite gradients into inf or NaN updates of low-precision
-  parameters, e.g. Adam's `eps=1e-8`, which is 0 in float16, or, with
-  `apply_gradients`, into updates that overflow such a parameter), and
-  `consecutive_nonfinite_loss` / `consecutive_nonfinite_updates` (how many of the
-  `consecutive_skips` had each cause).
+  A checkpoint written before the counts had names restores with `restore_state`.
   """
 
   loss_scale: LossScale
   inner_state: optax.OptState
-  counts: jax.Array
+  counts: StepCounts
   last_applied: jax.Array
   last_loss_scale: jax.Array | None = None
   grad_norm: jax.Array | None = None
 
   def count(self, name: str) -> jax.Array:
-    """The count called `name` (one of `COUNTS`), an int32 array; `state.skipped_steps`
-    and the other properties read the same."""
-    return self.counts[..., COUNTS.index(name)]
+    """The count called `name` (one of `COUNTS`, the fields of `StepCounts`), an int32
+    array: `state.count("skipped_steps")` is `state.counts.skipped_steps`."""
+    if name not in COUNTS:
+      raise ValueError(f"`name` must be one of {', '.join(COUNTS)}, got {name!r}.")
+    return getattr(self.counts, name)
 
-  skipped_steps = _Count("skipped_steps", "Steps skipped so far.")
-  consecutive_skips = _Count("consecutive_skips", "Steps skipped in a row up to now.")
-  nonfinite_loss_steps = _Count(
-      "nonfinite_loss_steps",
-      "Steps skipped because the unscaled loss passed as `loss=` was inf or NaN.")
-  nonfinite_update_steps = _Count(
-      "nonfinite_update_steps",
-      "Steps skipped because the inner optimizer turned finite gradients into inf or NaN "
-      "updates of low-precision parameters.")
-  consecutive_nonfinite_loss = _Count(
-      "consecutive_nonfinite_loss",
-      "How many of the `consecutive_skips` were for a non-finite loss.")
-  consecutive_nonfinite_updates = _Count(
-      "consecutive_nonfinite_updates",
-      "How many of the `consecutive_skips` were for non-finite updates.")
+  @property
+  def skipped_steps(self) -> jax.Array:
+    """Steps skipped so far (`counts.skipped_steps`)."""
+    return self.counts.skipped_steps
+
+  @property
+  def consecutive_skips(self) -> jax.Array:
+    """Steps skipped in a row up to now (`counts.consecutive_skips`)."""
+    return self.counts.consecutive_skips
+
+  @property
+  def nonfinite_loss_steps(self) -> jax.Array:
+    """Steps skipped because the unscaled loss passed as `loss=` was inf or NaN."""
+    return self.counts.nonfinite_loss_steps
+
+  @property
+  def nonfinite_update_steps(self) -> jax.Array:
+    """Steps skipped because the inner optimizer turned finite gradients into inf or NaN
+    updates of low-precision parameters."""
+    return self.counts.nonfinite_update_steps
+
+  @property
+  def consecutive_nonfinite_loss(self) -> jax.Array:
+    """How many of the `consecutive_skips` were for a non-finite loss."""
+    return self.counts.consecutive_nonfinite_loss
+
+  @property
+  def consecutive_nonfinite_updates(self) -> jax.Array:
+    """How many of the `consecutive_skips` were for non-finite updates."""
+    return self.counts.consecutive_nonfinite_updates
 
   @property
   def hyperparams(self) -> dict[str, Any]:
@@ -131,6 +152,12 @@ class LossScalingState(NamedTuple):
     return found[0].hyperparams
 
 
+# The fields a checkpoint may lack (of another configuration, or written before they
+# existed): `restore_state` takes them from its target, as `init` makes them.
+RESTARTED = ("grad_norm",)
+
+jax.export.register_namedtuple_serialization(
+    StepCounts, serialized_name="jax_lossscale.StepCounts")
 jax.export.register_namedtuple_serialization(
     LossScalingState, serialized_name="jax_lossscale.LossScalingState")
 
@@ -644,7 +671,8 @@ class _Step:
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
-        counts=jnp.zeros(len(COUNTS), jnp.int32), last_applied=jnp.ones([], jnp.bool_),
+        counts=StepCounts(*(jnp.zeros([], jnp.int32) for _ in COUNTS)),
+        last_applied=jnp.ones([], jnp.bool_),
         last_loss_scale=jnp.array(self.initial()),
         grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None)
 
@@ -797,10 +825,17 @@ def next_state(state: LossScalingState, decision: Decision, emitted: Emitted,
   candidate = state.loss_scale.adjust(decision.grads_finite, decision.measured)
   loss_scale = _trees.select_tree(moved, candidate, state.loss_scale)
   skipped = ~applied
-  increments = jnp.stack([skipped, skipped, loss_bad, updates_bad, loss_bad, updates_bad])
-  counts = jnp.asarray(state.counts, jnp.int32)
-  counts = jnp.where(counts < jnp.iinfo(jnp.int32).max, counts + increments.astype(jnp.int32),
-                     counts)  # saturating, as optax.safe_increment
-  counts = jnp.where(applied & jnp.array(_STREAKS), 0, counts)
+  increments = StepCounts(skipped, skipped, loss_bad, updates_bad, loss_bad, updates_bad)
+  counts = StepCounts(*(_counted(count, increment, applied & (name in _STREAKS))
+                        for name, count, increment in zip(COUNTS, state.counts, increments,
+                                                                strict=True)))
   return LossScalingState(loss_scale, emitted.inner_state, counts, applied,
                           state.loss_scale(), decision.grad_norm)
+
+
+def _counted(count: jax.Array, increment: jax.Array, reset: jax.Array) -> jax.Array:
+  """`count` plus `increment`, saturating as `optax.safe_increment`; 0 where `reset`."""
+  count = jnp.asarray(count, jnp.int32)
+  count = jnp.where(count < jnp.iinfo(jnp.int32).max, count + increment.astype(jnp.int32),
+                    count)
+  return jnp.where(reset, 0, count)
