@@ -30,6 +30,10 @@ What is read, and why:
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
   private), for `autocast` and its precision summary.
+- `register_export_serialization`: `jax.export`'s registration of a pytree class, where
+  a class defined again under the same name (a notebook cell run twice) replaces the
+  earlier class; `jax.export` refuses a second registration of a name, and its
+  registries are only private.
 """
 
 from __future__ import annotations
@@ -123,6 +127,29 @@ def user_context(default: Any) -> Any:
   """A context variable that is part of `jit`'s cache key (`jax.make_user_context`):
   set with `with context(value):`, read as `context.value`."""
   return jax.make_user_context(default)
+
+
+# Serialization by `jax.export`.
+
+try:  # `jax.export`'s registries of pytree classes, by class and by name: only private.
+  from jax._src.export import _export as _export_registries
+except ImportError:  # pragma: no cover (a JAX that moved them: a class defined again is not)
+  _export_registries = None
+
+
+def register_export_serialization(cls: type, name: str, serialize_auxdata: Callable,
+                                  deserialize_auxdata: Callable) -> None:
+  """`jax.export.register_pytree_node_serialization(cls, serialized_name=name, ...)`; a
+  class registered under `name` before (`cls` defined again) gives its entry to `cls`."""
+  by_name = getattr(_export_registries, "deserialization_registry", None)
+  by_class = getattr(_export_registries, "serialization_registry", None)
+  if by_name is not None and by_class is not None and name in by_name:
+    if by_name[name][0] is cls:
+      return
+    by_class.pop(by_name.pop(name)[0], None)
+  jax.export.register_pytree_node_serialization(
+      cls, serialized_name=name, serialize_auxdata=serialize_auxdata,
+      deserialize_auxdata=deserialize_auxdata)
 
 
 # Traced programs.

@@ -238,3 +238,14 @@ def test_the_overwrite_with_gradient_collection_is_set_to_its_gradient_not_optim
   state = state.apply_gradients(grads=grads)
   chex.assert_trees_all_equal(state.params["params"]["w"], jnp.full(2, 0.5))
   chex.assert_trees_all_equal(state.params["_overwrite_with_gradient"]["scale"], jnp.full(1, 7.0))
+
+
+def test_a_loss_scale_class_defined_after_the_import_round_trips_through_flax_serialization():
+  @jls.loss_scale_dataclass
+  class Later(jls.DynamicLossScale):
+    pass
+
+  updated = Later(8.0).update({"g": jnp.inf})[0]
+  restored = serialization.from_bytes(Later(8.0), serialization.to_bytes(updated))
+  assert restored == updated
+  assert serialization.to_state_dict(updated).keys() == set(updated._state_names)

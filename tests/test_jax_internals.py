@@ -290,3 +290,20 @@ def test_a_user_context_value_is_part_of_jits_cache_key():
     with context(value):
       f(1.0)
   assert traces == ["a", "b"] and context.value is None
+
+
+def test_a_class_registered_again_under_its_name_replaces_the_first_for_jax_export():
+  from jax import export
+
+  def define():
+    cls = type("Box", (), {"__module__": "notebook"})
+    jax.tree_util.register_pytree_node(cls, lambda b: ((), None), lambda aux, _: cls())
+    internals.register_export_serialization(
+        cls, "notebook.Box", serialize_auxdata=lambda aux: b"",
+        deserialize_auxdata=lambda data: None)
+    return cls
+
+  define()
+  latest = define()
+  exported = export.export(jax.jit(lambda box: jnp.ones(())))(latest())
+  assert export.deserialize(exported.serialize()).in_tree == jax.tree.structure(((latest(),), {}))

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 import jax_lossscale as jls
@@ -63,3 +64,40 @@ def test_deserialize_rejects_malformed_input(data, match):
 def test_serialize_rejects_non_loss_scales():
   with pytest.raises(ValueError, match="expects a LossScale"):
     jls.serialize(2.0)
+
+
+def _define_loss_scale_class(name="NotebookLossScale", base=jls.FixedLossScale):
+  """A loss-scale class `name`, as a notebook cell defines it: run again, the same name."""
+  return jls.loss_scale_dataclass(type(name, (base,), {"__module__": "notebook"}))
+
+
+def test_a_loss_scale_class_defined_again_replaces_the_first():
+  first, second = _define_loss_scale_class(), _define_loss_scale_class()
+  restored = jls.deserialize(json.loads(json.dumps(jls.serialize(first(4.0)))))
+  assert type(restored) is second
+  assert restored == second(4.0)
+
+
+def test_a_class_of_your_own_named_like_ours_is_serialized_as_yours():
+  mine = _define_loss_scale_class("DynamicLossScale", base=jls.DynamicLossScale)
+  data = jls.serialize(mine(8.0))
+  assert data["class_name"] == "notebook.DynamicLossScale"
+  assert type(jls.deserialize(data)) is mine
+  assert type(jls.deserialize(jls.serialize(jls.DynamicLossScale(8.0)))) is jls.DynamicLossScale
+
+
+@pytest.mark.parametrize("class_name", ["DynamicLossScale", "jax_lossscale.DynamicLossScale"])
+def test_our_classes_are_read_by_bare_and_by_qualified_name(class_name):
+  data = {"class_name": class_name, "config": jls.DynamicLossScale(8.0).get_config()}
+  assert jls.deserialize(data) == jls.DynamicLossScale(8.0)
+
+
+def test_an_exported_function_of_a_class_defined_again_deserializes_to_the_latest():
+  from jax import export
+
+  _define_loss_scale_class("ExportedLossScale")
+  latest = _define_loss_scale_class("ExportedLossScale")
+  exported = export.export(jax.jit(lambda ls: ls()))(latest(4.0))
+  restored = export.deserialize(exported.serialize())
+  assert restored.in_tree == jax.tree.structure(((latest(4.0),), {}))
+  assert restored.call(latest(4.0)) == 4.0
