@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_lossscale import _managers  # noqa: F401 (known to `deserialize` by their names)
 from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import REGISTRY

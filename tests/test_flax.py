@@ -17,6 +17,7 @@ from flax.training import train_state
 from helpers import overflow_in_backward
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 from jax_lossscale.flax import TrainState
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
@@ -212,8 +213,8 @@ def test_a_checkpoint_of_another_loss_scale_is_refused_not_restored_in_part(save
                              serialization.to_bytes(state))
 
 
-@pytest.mark.parametrize("manager", [jls.FixedLossScaleManager(4.0),
-                                     jls.ExponentialUpdateLossScaleManager(8, 3)],
+@pytest.mark.parametrize("manager", [jls_tf.FixedLossScaleManager(4.0),
+                                     jls_tf.ExponentialUpdateLossScaleManager(8, 3)],
                          ids=lambda m: type(m).__name__)
 def test_managers_round_trip_through_flax_serialization(manager):
   updated = manager.update_loss_scale(False).update_loss_scale(False)
