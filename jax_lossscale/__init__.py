@@ -1,4 +1,8 @@
-"""jax_lossscale: loss scaling for mixed-precision training in JAX and optax."""
+"""jax_lossscale: loss scaling for mixed-precision training in JAX and optax.
+
+TensorFlow's porting names (contrib's loss-scale managers, `serialize`, `deserialize`,
+`get`) live in `jax_lossscale.tensorflow`; their old spellings here still import.
+"""
 
 from jax_lossscale import diagnostics
 from jax_lossscale import presets
@@ -13,9 +17,6 @@ from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import NoOpLossScale
 from jax_lossscale._loss_scale import loss_scale_dataclass
 from jax_lossscale._loss_scale import state_field
-from jax_lossscale._managers import ExponentialUpdateLossScaleManager
-from jax_lossscale._managers import FixedLossScaleManager
-from jax_lossscale._managers import LossScaleManager
 from jax_lossscale._measured import MeasuredLossScale
 from jax_lossscale._monitoring import LossScaleStuckError
 from jax_lossscale._monitoring import if_applied
@@ -24,9 +25,6 @@ from jax_lossscale._monitoring import raise_if_stuck
 from jax_lossscale._monitoring import unscale
 from jax_lossscale._policy import Policy
 from jax_lossscale._policy import get_policy
-from jax_lossscale._serialization import deserialize
-from jax_lossscale._serialization import get
-from jax_lossscale._serialization import serialize
 from jax_lossscale._transform import LossScalingState
 from jax_lossscale._transform import LossScalingTransformation
 from jax_lossscale._transform import loss_scaling
@@ -37,11 +35,8 @@ __version__ = "0.2.0"
 
 __all__ = (
     "DynamicLossScale",
-    "ExponentialUpdateLossScaleManager",
     "FixedLossScale",
-    "FixedLossScaleManager",
     "LossScale",
-    "LossScaleManager",
     "LossScaleStuckError",
     "LossScalingState",
     "LossScalingTransformation",
@@ -51,9 +46,7 @@ __all__ = (
     "PrecisionSummary",
     "all_finite",
     "autocast",
-    "deserialize",
     "diagnostics",
-    "get",
     "get_policy",
     "if_applied",
     "loss_scale_dataclass",
@@ -65,7 +58,20 @@ __all__ = (
     "restore_state",
     "scaled_value_and_grad",
     "select_tree",
-    "serialize",
     "state_field",
     "unscale",
 )
+
+# TensorFlow's porting names, moved to `jax_lossscale.tensorflow`: still importable from
+# here (`jls.get`, `from jax_lossscale import serialize`), not offered by `import *`.
+_MOVED_TO_TENSORFLOW = frozenset({
+    "ExponentialUpdateLossScaleManager", "FixedLossScaleManager", "LossScaleManager",
+    "deserialize", "get", "serialize"})
+
+
+def __getattr__(name: str) -> object:
+  if name in _MOVED_TO_TENSORFLOW:
+    from jax_lossscale import tensorflow
+
+    return getattr(tensorflow, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,8 @@ loop keeps its invariant operands), about `jax._src`, or about which named axes 
 scope. The library needs a few of those facts; this module is the only one that reads
 them, each with a fallback where JAX moved, and `tests/test_jax_internals.py` pins what is
 read on every supported JAX (0.10.2 on Python 3.11, 0.12 on Python 3.12 and newer), so a
-change of JAX fails one focused test.
+change of JAX fails one focused test. A fallback is not silent: its first use warns, once,
+naming what stops working (a JAX outside `SUPPORTED_JAX`, which pyproject.toml states).
 
 What is read, and why:
 
@@ -37,6 +38,10 @@ What is read, and why:
 - `not_reverse_differentiable`: whether an error means that a program cannot be
   differentiated in reverse mode (a `while_loop`; JAX raises a plain `ValueError` or
   `NotImplementedError`, told apart by its message).
+- `register_export_serialization`: `jax.export`'s registration of a pytree class, where
+  a class defined again under the same name (a notebook cell run twice) replaces the
+  earlier class; `jax.export` refuses a second registration of a name, and its
+  registries are only private.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import pathlib
+import warnings
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterator
@@ -56,6 +62,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as _core
 from jax.extend import linear_util as _linear_util
+
+# The JAX versions the library is tested on (pyproject.toml's requirement): outside them,
+# what is read here may have moved.
+SUPPORTED_JAX = ">=0.10.2,<0.13"
+
+
+@functools.cache
+def degraded(private_name: str, consequence: str) -> None:
+  """Warns, once per process, that JAX no longer has `private_name` and what the library
+  does without it (`consequence`)."""
+  warnings.warn(
+      f"jax_lossscale: this JAX ({jax.__version__}) has no `{private_name}`, which the "
+      f"library reads from JAX's internals; without it {consequence}. jax_lossscale is "
+      f"tested on jax{SUPPORTED_JAX}.", RuntimeWarning, stacklevel=3)
+
 
 try:  # Tracing a function for exact input types (a shard_map body's varying axes).
   from jax._src.interpreters import partial_eval as _partial_eval
@@ -78,7 +99,10 @@ Operand = Any  # an equation's input: a variable or a literal
 def axis_names_in_scope() -> tuple[Hashable, ...]:
   """The named axes in scope where this is traced (an enclosing `vmap(axis_name=)`'s,
   `pmap`'s, `shard_map`'s); empty where JAX does not tell."""
-  if _unsafe_get_axis_names is None:  # pragma: no cover
+  if _unsafe_get_axis_names is None:
+    degraded("jax._src.core.unsafe_get_axis_names",
+             "no vmap axis is seen: replicas under a named vmap stop agreeing (each member "
+             "decides its own steps and loss scale)")
     return ()
   return tuple(_unsafe_get_axis_names())
 
@@ -111,7 +135,12 @@ def reverse_differentiable_here(value: Any) -> bool:
   `jax.jacfwd`) runs inside its own: a `custom_vjp` has no forward-mode rule. True for a
   value that is no tracer, and where JAX does not tell.
   """
-  if _current_trace is None or not is_tracer(value):
+  if not is_tracer(value):
+    return True
+  if _current_trace is None:
+    degraded("jax._src.core.unsafe_get_trace_stack",
+             "probes measure everywhere: a probe inside a custom_vjp's rule or under "
+             "forward-mode differentiation (jax.jvp, jax.jacfwd) may fail with a leaked tracer")
     return True
   owner = getattr(value, "_trace", None)
   tag = getattr(owner, "tag", None)  # a differentiation's traces share its tag (shard_map's)
@@ -131,6 +160,37 @@ def user_context(default: Any) -> Any:
   """A context variable that is part of `jit`'s cache key (`jax.make_user_context`):
   set with `with context(value):`, read as `context.value`."""
   return jax.make_user_context(default)
+
+
+# Serialization by `jax.export`.
+
+try:  # `jax.export`'s registries of pytree classes, by class and by name: only private.
+  from jax._src.export import _export as _export_registries
+except ImportError:  # pragma: no cover (a JAX that moved them: a class defined again is not)
+  _export_registries = None
+
+
+def register_export_serialization(cls: type, name: str, serialize_auxdata: Callable,
+                                  deserialize_auxdata: Callable) -> None:
+  """`jax.export.register_pytree_node_serialization(cls, serialized_name=name, ...)`; a
+  class registered under `name` before (`cls` defined again) gives its entry to `cls`."""
+  by_name = getattr(_export_registries, "deserialization_registry", None)
+  by_class = getattr(_export_registries, "serialization_registry", None)
+  known = by_name is not None and by_class is not None
+  if known and name in by_name:
+    if by_name[name][0] is cls:
+      return
+    by_class.pop(by_name.pop(name)[0], None)
+  try:
+    jax.export.register_pytree_node_serialization(
+        cls, serialized_name=name, serialize_auxdata=serialize_auxdata,
+        deserialize_auxdata=deserialize_auxdata)
+  except ValueError:  # `name` registered before: the class is defined again
+    if known:
+      raise
+    degraded("jax._src.export._export.deserialization_registry",
+             "a loss-scale class defined again (a notebook cell run twice) is not known "
+             "to jax.export: exporting a function that takes it fails")
 
 
 # Traced programs.
@@ -261,7 +321,10 @@ def _source_of(eqn: Equation) -> Any:
   compiled programs name operations by it), with its traceback (what is bound there is
   located at the user's line, the casts in front of it too) and its context (a mesh,
   metadata)."""
-  if _source_info is None:  # pragma: no cover
+  if _source_info is None:
+    degraded("jax._src.source_info_util",
+             "operations autocast binds again lose their name scopes (jax.named_scope, "
+             "flax's module paths) in profiles and compiled programs")
     return eqn.ctx.manager
   scope = _source_info.current_name_stack() + eqn.source_info.name_stack
   stack = contextlib.ExitStack()
@@ -499,7 +562,10 @@ def _retrace(program: Program, interpret: Callable[[Program, list], list]) -> Pr
   (a loop body inside `shard_map` keeps its varying axes); None if it needs constants
   that the kind of `program` cannot hold (an open program), or where JAX no longer offers
   the tracing."""
-  if _partial_eval is None:  # pragma: no cover
+  if _partial_eval is None:
+    degraded("jax._src.interpreters.partial_eval.trace_to_jaxpr_dynamic",
+             "autocast stops casting inside loops, conditionals and nested jits (their "
+             "operations run in the precision they were traced in)")
     return None
   jaxpr = jaxpr_of(program)
   fun = _linear_util.wrap_init(lambda *args: interpret(program, list(args)),

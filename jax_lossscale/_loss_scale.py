@@ -18,6 +18,7 @@ import abc
 import dataclasses
 import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 from typing import ClassVar
 from typing import Literal
@@ -36,8 +37,33 @@ from jax_lossscale import _validation
 
 _T = TypeVar("_T", bound="LossScale")
 
-# Every loss-scale class by name, for `deserialize`.
+# Every loss-scale class by its `qualified_name`, for `deserialize`. A class defined again
+# (a notebook cell run twice) replaces the entry of the class it redefines.
 REGISTRY: dict[str, type[LossScale]] = {}
+
+# What else must know of every loss-scale class (`jax_lossscale.flax`'s registration with
+# flax's serialization), called for each class as it is defined.
+_ON_DEFINE: list[Callable[[type[LossScale]], None]] = []
+
+_PACKAGE = "jax_lossscale"
+
+
+def qualified_name(cls: type) -> str:
+  """The name a loss-scale class is known by: `module.qualname`, and the package's own
+  classes by their public name (`jax_lossscale.DynamicLossScale`, wherever they are
+  defined), so that a user class named like one of them is another class."""
+  module = cls.__module__
+  if module == _PACKAGE or module.startswith(f"{_PACKAGE}._"):
+    module = _PACKAGE
+  return f"{module}.{cls.__qualname__}"
+
+
+def for_each_class(callback: Callable[[type[LossScale]], None]) -> None:
+  """Calls `callback` with every loss-scale class defined so far, and with every class
+  defined from now on."""
+  _ON_DEFINE.append(callback)
+  for cls in list(REGISTRY.values()):
+    callback(cls)
 
 
 def state_field() -> Any:
@@ -82,17 +108,21 @@ def loss_scale_dataclass(cls: type[_T]) -> type[_T]:
   Fields declared with `state_field()` are the leaves; every other field is static and
   lives in the tree definition, read from the dataclass so that none can be forgotten.
   Unflattening does not call the constructor (JAX puts tracers, None or sentinels in
-  the leaves). The class is also known to `deserialize` (by its name) and to
-  `jax.export` serialization.
+  the leaves). The class is also known to `deserialize` and to `jax.export` serialization
+  by its qualified name (`module.QualName`), and to `flax.serialization` once
+  `jax_lossscale.flax` is imported. Defining a class again under the same name (a
+  notebook cell run twice) replaces the earlier one in each.
   """
   cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
   cls._state_names = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("state"))
   cls._static_names = _trees.register_dataclass(cls, cls._state_names)
-  jax.export.register_pytree_node_serialization(
-      cls, serialized_name=f"jax_lossscale.{cls.__name__}",
-      serialize_auxdata=lambda static: json.dumps(list(static)).encode(),
+  name = qualified_name(cls)
+  _jax_internals.register_export_serialization(
+      cls, name, serialize_auxdata=lambda static: json.dumps(list(static)).encode(),
       deserialize_auxdata=lambda data: tuple(json.loads(data)))
-  REGISTRY[cls.__name__] = cls
+  REGISTRY[name] = cls
+  for callback in _ON_DEFINE:
+    callback(cls)
   return cls
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_lossscale import _managers  # noqa: F401 (known to `deserialize` by their names)
 from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import REGISTRY
@@ -13,17 +14,29 @@ from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
 from jax_lossscale._loss_scale import NoOpLossScale
+from jax_lossscale._loss_scale import qualified_name
+
+_PACKAGE_PREFIX = "jax_lossscale."
 
 
 def serialize(loss_scale: LossScale) -> dict[str, Any]:
-  """Returns `{"class_name": ..., "config": {...}}`, JSON-serialisable."""
+  """Returns `{"class_name": ..., "config": {...}}`, JSON-serialisable.
+
+  `class_name` is TensorFlow's bare class name for the package's own classes
+  (`"DynamicLossScale"`), and the qualified name `"module.QualName"` for any other
+  `loss_scale_dataclass`, so a class of your own named like one of ours stays yours.
+  """
   if not isinstance(loss_scale, LossScale):
     raise ValueError(f"serialize expects a LossScale, got {loss_scale!r}.")
-  return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+  name = qualified_name(type(loss_scale))
+  return {"class_name": name.removeprefix(_PACKAGE_PREFIX), "config": loss_scale.get_config()}
 
 
 def deserialize(config: dict[str, Any]) -> LossScale:
   """Rebuilds a loss scale from the dict returned by `serialize`.
+
+  The class is looked up by its qualified name; a bare name (TensorFlow's, and every
+  class's before qualified names) is one of the package's own classes.
 
   Raises:
     ValueError: if the dict is malformed or names an unknown class.
@@ -32,9 +45,13 @@ def deserialize(config: dict[str, Any]) -> LossScale:
     raise ValueError(
         f"deserialize expects a dict with keys 'class_name' and 'config', got {config!r}.")
   name = config["class_name"]
-  if name not in REGISTRY:
-    raise ValueError(f"Unknown loss scale class_name {name!r}; known: {sorted(REGISTRY)}.")
-  return REGISTRY[name].from_config(config["config"])
+  cls = None
+  if isinstance(name, str):
+    cls = REGISTRY.get(name if "." in name else _PACKAGE_PREFIX + name)
+  if cls is None:
+    known = sorted(key.removeprefix(_PACKAGE_PREFIX) for key in REGISTRY)
+    raise ValueError(f"Unknown loss scale class_name {name!r}; known: {known}.")
+  return cls.from_config(config["config"])
 
 
 def get(identifier: Any) -> LossScale | None:

@@ -24,9 +24,9 @@ from flax import serialization
 from flax.core import FrozenDict
 from flax.training import train_state
 
+from jax_lossscale import _loss_scale
 from jax_lossscale import _monitoring
 from jax_lossscale import _transform
-from jax_lossscale._loss_scale import REGISTRY
 
 __all__ = ("TrainState",)
 
@@ -144,5 +144,5 @@ def _register(cls: type) -> None:
                                              override=True)
 
 
-for _cls in REGISTRY.values():
-  _register(_cls)
+# Every loss-scale class, those defined after this import included.
+_loss_scale.for_each_class(_register)

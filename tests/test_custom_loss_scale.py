@@ -15,6 +15,7 @@ import pytest
 from code_blocks import blocks
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "custom-loss-scale.md"
 _line, _code = blocks(PAGE)[0]
@@ -76,7 +77,7 @@ def test_every_field_survives_jit_and_tree_map_and_serialization():
   assert jax.tree.leaves(loss_scale) == [2.0, 2, 3]
   assert loss_scale.get_config() == {"initial_loss_scale": 2.0, "warmup_steps": 5,
                                      "increment_period": 7, "max_loss_scale": 64.0}
-  assert jls.deserialize(jls.serialize(loss_scale)) == WarmupLossScale(
+  assert jls_tf.deserialize(jls_tf.serialize(loss_scale)) == WarmupLossScale(
       2.0, warmup_steps=5, increment_period=7, max_loss_scale=64.0)
   assert repr(loss_scale).startswith("WarmupLossScale(initial_loss_scale=2.0, warmup_steps=5")
 

@@ -17,6 +17,7 @@ from flax.training import train_state
 from helpers import overflow_in_backward
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 from jax_lossscale.flax import TrainState
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
@@ -243,8 +244,8 @@ def test_a_checkpoint_of_another_loss_scale_is_refused_not_restored_in_part(save
                              serialization.to_bytes(state))
 
 
-@pytest.mark.parametrize("manager", [jls.FixedLossScaleManager(4.0),
-                                     jls.ExponentialUpdateLossScaleManager(8, 3)],
+@pytest.mark.parametrize("manager", [jls_tf.FixedLossScaleManager(4.0),
+                                     jls_tf.ExponentialUpdateLossScaleManager(8, 3)],
                          ids=lambda m: type(m).__name__)
 def test_managers_round_trip_through_flax_serialization(manager):
   updated = manager.update_loss_scale(False).update_loss_scale(False)
@@ -269,3 +270,14 @@ def test_the_overwrite_with_gradient_collection_is_set_to_its_gradient_not_optim
   state = state.apply_gradients(grads=grads)
   chex.assert_trees_all_equal(state.params["params"]["w"], jnp.full(2, 0.5))
   chex.assert_trees_all_equal(state.params["_overwrite_with_gradient"]["scale"], jnp.full(1, 7.0))
+
+
+def test_a_loss_scale_class_defined_after_the_import_round_trips_through_flax_serialization():
+  @jls.loss_scale_dataclass
+  class Later(jls.DynamicLossScale):
+    pass
+
+  updated = Later(8.0).update({"g": jnp.inf})[0]
+  restored = serialization.from_bytes(Later(8.0), serialization.to_bytes(updated))
+  assert restored == updated
+  assert serialization.to_state_dict(updated).keys() == set(updated._state_names)

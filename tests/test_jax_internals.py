@@ -336,3 +336,56 @@ def test_a_traced_function_is_named_in_tracing_errors_by_the_users_function_and_
   with pytest.raises(jax.errors.TracerBoolConversionError,
                      match=r"function user at .* for autocast.* argument params\['w'\]"):
     internals.trace(lambda w: w if w[0] > 0 else -w, [jnp.ones(2)], named)
+def test_a_class_registered_again_under_its_name_replaces_the_first_for_jax_export():
+  from jax import export
+
+  def define():
+    cls = _box_class()
+    internals.register_export_serialization(
+        cls, "notebook.Box", serialize_auxdata=lambda aux: b"",
+        deserialize_auxdata=lambda data: None)
+    return cls
+
+  define()
+  latest = define()
+  exported = export.export(jax.jit(lambda box: jnp.ones(())))(latest())
+  assert export.deserialize(exported.serialize()).in_tree == jax.tree.structure(((latest(),), {}))
+
+
+def _box_class():
+  cls = type("Box", (), {"__module__": "notebook"})
+  jax.tree_util.register_pytree_node(cls, lambda b: ((), None), lambda aux, _: cls())
+  return cls
+
+
+def _register_a_box_twice():
+  for _ in range(2):
+    internals.register_export_serialization(
+        _box_class(), "notebook.FallbackBox", serialize_auxdata=lambda aux: b"",
+        deserialize_auxdata=lambda data: None)
+
+
+@pytest.mark.parametrize("fallback, use, names", [
+    ("_unsafe_get_axis_names", internals.axis_names_in_scope,
+     ["unsafe_get_axis_names", "named vmap"]),
+    ("_current_trace",
+     lambda: jax.make_jaxpr(lambda x: internals.reverse_differentiable_here(x) and x)(1.0),
+     ["unsafe_get_trace_stack", "custom_vjp"]),
+    ("_source_info",
+     lambda: internals._source_of(internals.equations(jax.make_jaxpr(jnp.sin)(1.0))[0]),
+     ["source_info_util", "name scopes"]),
+    ("_partial_eval",
+     lambda: internals._retrace(jax.make_jaxpr(jnp.sin)(1.0), lambda program, args: args),
+     ["trace_to_jaxpr_dynamic", "inside loops"]),
+    ("_export_registries", _register_a_box_twice, ["deserialization_registry", "jax.export"]),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_a_private_jax_name_that_moved_warns_once_naming_what_stops_working(
+    monkeypatch, fallback, use, names):
+  monkeypatch.setattr(internals, fallback, None)
+  internals.degraded.cache_clear()
+  with pytest.warns(RuntimeWarning) as warned:
+    use()
+    use()
+  internals.degraded.cache_clear()
+  [warning] = [w for w in warned if w.category is RuntimeWarning]
+  assert all(name in str(warning.message) for name in names)

@@ -9,10 +9,11 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 
 
 def test_fixed_manager_never_changes():
-  manager = jls.FixedLossScaleManager(256)
+  manager = jls_tf.FixedLossScaleManager(256)
   for finite in [True, False, jnp.array(False)]:
     manager = manager.update_loss_scale(finite)
   scale = manager.get_loss_scale()
@@ -23,11 +24,11 @@ def test_fixed_manager_never_changes():
                                           ("8", "real number")])
 def test_fixed_manager_rejects_bad_scales(value, match):
   with pytest.raises(ValueError, match=f"`loss_scale`.*{match}"):
-    jls.FixedLossScaleManager(value)
+    jls_tf.FixedLossScaleManager(value)
 
 
 def test_exponential_manager_returns_a_new_manager_and_keeps_the_old_one():
-  manager = jls.ExponentialUpdateLossScaleManager(8, 2)
+  manager = jls_tf.ExponentialUpdateLossScaleManager(8, 2)
   updated = manager.update_loss_scale(False).update_loss_scale(False)
   assert float(manager.get_loss_scale()) == 8
   assert float(updated.get_loss_scale()) == pytest.approx(8 * 0.8)
@@ -35,7 +36,7 @@ def test_exponential_manager_returns_a_new_manager_and_keeps_the_old_one():
 
 def test_exponential_manager_needs_consecutive_finite_steps_to_grow(maybe_jit):
   update = maybe_jit(lambda m, f: m.update_loss_scale(f))
-  manager, scales = jls.ExponentialUpdateLossScaleManager(4, 3, decr_every_n_nan_or_inf=5), []
+  manager, scales = jls_tf.ExponentialUpdateLossScaleManager(4, 3, decr_every_n_nan_or_inf=5), []
   for finite in [True, True, False, True, True, True, True]:
     manager = update(manager, finite)
     scales.append(float(manager.get_loss_scale()))
@@ -43,7 +44,7 @@ def test_exponential_manager_needs_consecutive_finite_steps_to_grow(maybe_jit):
 
 
 def test_exponential_manager_bad_steps_need_not_be_consecutive():
-  manager = jls.ExponentialUpdateLossScaleManager(10, 100, decr_every_n_nan_or_inf=3,
+  manager = jls_tf.ExponentialUpdateLossScaleManager(10, 100, decr_every_n_nan_or_inf=3,
                                                   decr_ratio=0.5)
   for finite in [False, True, False, True, True, False]:
     manager = manager.update_loss_scale(finite)
@@ -52,7 +53,7 @@ def test_exponential_manager_bad_steps_need_not_be_consecutive():
 
 
 def test_exponential_manager_never_goes_below_one():
-  manager = jls.ExponentialUpdateLossScaleManager(1.5, 10, decr_every_n_nan_or_inf=1)
+  manager = jls_tf.ExponentialUpdateLossScaleManager(1.5, 10, decr_every_n_nan_or_inf=1)
   for _ in range(3):
     manager = manager.update_loss_scale(False)
   assert float(manager.get_loss_scale()) == 1
@@ -70,15 +71,15 @@ def test_exponential_manager_never_goes_below_one():
 )
 def test_exponential_manager_rejects_bad_arguments(kwargs, name):
   with pytest.raises(ValueError, match=f"`{name}`"):
-    jls.ExponentialUpdateLossScaleManager(**kwargs)
+    jls_tf.ExponentialUpdateLossScaleManager(**kwargs)
 
 
-@pytest.mark.parametrize("manager", [jls.FixedLossScaleManager(4.0),
-                                     jls.ExponentialUpdateLossScaleManager(8, 3, 4, 3.0, 0.5)],
+@pytest.mark.parametrize("manager", [jls_tf.FixedLossScaleManager(4.0),
+                                     jls_tf.ExponentialUpdateLossScaleManager(8, 3, 4, 3.0, 0.5)],
                          ids=lambda m: type(m).__name__)
 def test_managers_are_loss_scales_with_config_and_serialization(manager):
-  assert isinstance(manager, jls.LossScale) and isinstance(manager, jls.LossScaleManager)
-  assert jls.deserialize(json.loads(json.dumps(jls.serialize(manager)))) == manager
+  assert isinstance(manager, jls.LossScale) and isinstance(manager, jls_tf.LossScaleManager)
+  assert jls_tf.deserialize(json.loads(json.dumps(jls_tf.serialize(manager)))) == manager
   assert type(manager).from_config(manager.get_config()) == manager
   chex.assert_trees_all_equal(manager.unscale(manager.scale(jnp.ones(2))), jnp.ones(2))
   _, should_apply = manager.update({"g": jnp.array([jnp.inf])})
@@ -88,7 +89,7 @@ def test_managers_are_loss_scales_with_config_and_serialization(manager):
 
 
 def test_manager_inside_loss_scaling():
-  tx = jls.loss_scaling(optax.sgd(1.0), jls.ExponentialUpdateLossScaleManager(8, 1))
+  tx = jls.loss_scaling(optax.sgd(1.0), jls_tf.ExponentialUpdateLossScaleManager(8, 1))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   updates, state = jax.jit(tx.update)({"w": jnp.full(2, 8.0)}, state, params)

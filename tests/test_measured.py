@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 
 MAX16 = 65504.0
 
@@ -106,7 +107,7 @@ def test_zero_gradients_take_the_scale_to_its_cap_and_the_floor_holds():
 def test_config_round_trips_and_state_survives_jit():
   loss_scale = jls.MeasuredLossScale(2.0**8, margin=1, history=5, dtype="f16")
   assert loss_scale.dtype == "float16"
-  again = jls.deserialize(json.loads(json.dumps(jls.serialize(loss_scale))))
+  again = jls_tf.deserialize(json.loads(json.dumps(jls_tf.serialize(loss_scale))))
   assert again == loss_scale
   jitted = jax.jit(lambda ls: ls.adjust(jnp.array(True), jnp.float32(1.0)))(loss_scale)
   assert jitted.maxima.shape == (5,) and jitted.history == 5

@@ -10,6 +10,7 @@ from helpers import Wrapped
 
 import jax_lossscale as jls
 from jax_lossscale import _monitoring
+from jax_lossscale import tensorflow as jls_tf
 
 PARAMS = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}}
 GOOD = jax.tree.map(jnp.ones_like, PARAMS)
@@ -225,7 +226,7 @@ def test_raise_if_stuck_fails_fast_with_a_clear_message():
 
 def test_raise_if_stuck_knows_the_floor_of_every_scale_that_backs_off():
   # contrib's manager has no `min_loss_scale` argument: its floor is 1.
-  manager = jls.ExponentialUpdateLossScaleManager(4.0, 10, 1, 2.0, 0.5)
+  manager = jls_tf.ExponentialUpdateLossScaleManager(4.0, 10, 1, 2.0, 0.5)
   tx = jls.loss_scaling(optax.sgd(0.1), manager)
   state = steps(tx, [(BAD, None)] * 5)
   assert float(state.loss_scale()) == 1.0

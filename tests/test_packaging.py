@@ -1,24 +1,32 @@
 """The supported range: what pyproject.toml states is what CI installs at its lowest end."""
 
 import pathlib
-import re
 import tomllib
 
+import jax
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from jax_lossscale import _jax_internals
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+def requirements() -> list[Requirement]:
+  """pyproject.toml's requirements, its extras' included."""
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  return [Requirement(r) for r in project["dependencies"] + [
+      r for extra in project["optional-dependencies"].values() for r in extra]]
+
+
 def floors() -> dict[str, Version]:
   """Each requirement's lower bound in pyproject.toml, by normalised name."""
-  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-  requirements = project["dependencies"] + [
-      r for extra in project["optional-dependencies"].values() for r in extra]
   found = {}
-  for requirement in requirements:
-    match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", requirement)
-    if match:
-      found[match[1].lower().replace("_", "-")] = Version(match[2])
+  for requirement in requirements():
+    for specifier in requirement.specifier:
+      if specifier.operator == ">=":
+        found[requirement.name.lower().replace("_", "-")] = Version(specifier.version)
   return found
 
 
@@ -37,3 +45,10 @@ def test_ci_tests_both_ends_of_the_supported_python_range():
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   assert project["requires-python"] == ">=3.11"
   assert "PYENV_VERSION=3.11" in ci and "PIP_CONSTRAINT" in ci and "PYENV_VERSION=3.13" in ci
+
+
+def test_jax_is_bounded_above_by_the_range_the_library_warns_outside_of():
+  [stated] = [r.specifier for r in requirements() if r.name == "jax"]
+  assert stated == SpecifierSet(_jax_internals.SUPPORTED_JAX)
+  assert any(specifier.operator == "<" for specifier in stated)
+  assert Version(jax.__version__) in stated

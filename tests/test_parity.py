@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import reference_models as ref
 
-import jax_lossscale as jls
 from jax_lossscale import presets
+from jax_lossscale import tensorflow as jls_tf
 
 
 def finite_sequence(seed, period):
@@ -169,7 +169,7 @@ def test_flax_grows_one_step_later_than_the_others():
     ids=["contrib_defaults", "small"],
 )
 def test_exponential_update_manager_matches_contrib_step_by_step(kwargs, seed):
-  manager = jls.ExponentialUpdateLossScaleManager(**kwargs)
+  manager = jls_tf.ExponentialUpdateLossScaleManager(**kwargs)
   model = ref.TensorFlowContribExponential(**kwargs)
   finite = finite_sequence(seed, kwargs["incr_every_n_steps"])
   scales, applied, good, bad = (np.asarray(a) for a in replay(manager, finite))

@@ -14,6 +14,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale import _policy
+from jax_lossscale import tensorflow as jls_tf
 
 NAMES = ["bf16", "bfloat16", "f16", "float16", "full", "f32", "float32", "f64", "float64",
          "half"]
@@ -201,7 +202,7 @@ def test_jmps_policy_is_taken_where_ours_is():
   assert ours.loss_scale() == jls.DynamicLossScale()
   tx = jls.loss_scaling(optax.sgd(0.1), theirs)
   assert tx.init({"w": jnp.ones(2)}).loss_scale == jls.DynamicLossScale()
-  assert jls.get(jmp.get_policy("p=f32,c=bf16")) == jls.NoOpLossScale()
+  assert jls_tf.get(jmp.get_policy("p=f32,c=bf16")) == jls.NoOpLossScale()
   assert jls.get_policy(ours) is ours
 
 
@@ -212,12 +213,12 @@ def test_jmps_loss_scales_are_taken_where_ours_are():
                                  min_loss_scale=jnp.float32(2.0))
   expected = jls.DynamicLossScale(2.0**12, increment_period=100, multiplier=4.0,
                                   min_loss_scale=2.0, num_good_steps=5)
-  assert jls.get(dynamic) == expected
-  assert jls.get(drop_in.DynamicLossScale(jnp.float32(2.0**12), np.int32(5), period=100,
+  assert jls_tf.get(dynamic) == expected
+  assert jls_tf.get(drop_in.DynamicLossScale(jnp.float32(2.0**12), np.int32(5), period=100,
                                           factor=4, min_loss_scale=2.0)) == expected
   for static in (jmp.StaticLossScale(128.0), drop_in.StaticLossScale(128.0)):
-    assert jls.get(static) == jls.FixedLossScale(128.0)
-  assert jls.get(jmp.NoOpLossScale()) == jls.NoOpLossScale()
+    assert jls_tf.get(static) == jls.FixedLossScale(128.0)
+  assert jls_tf.get(jmp.NoOpLossScale()) == jls.NoOpLossScale()
   tx = jls.loss_scaling(optax.sgd(0.1), dynamic)
   assert float(tx.init({"w": jnp.ones(2)}).loss_scale()) == 2.0**12
 

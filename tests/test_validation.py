@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 
 BIG = 2**31  # one more than the largest int32
 
@@ -25,8 +26,8 @@ BIG = 2**31  # one more than the largest int32
         # Each of these was accepted and later gave inf, 0, a frozen scale or an
         # int32 overflow deep inside JAX.
         (lambda: jls.FixedLossScale(1e39), "loss_scale_value"),
-        (lambda: jls.FixedLossScaleManager(1e39), "loss_scale"),
-        (lambda: jls.ExponentialUpdateLossScaleManager(1e39, 10), "init_loss_scale"),
+        (lambda: jls_tf.FixedLossScaleManager(1e39), "loss_scale"),
+        (lambda: jls_tf.ExponentialUpdateLossScaleManager(1e39, 10), "init_loss_scale"),
         (lambda: jls.DynamicLossScale(2.0**127, 1, max_loss_scale=1e39), "max_loss_scale"),
         (lambda: jls.DynamicLossScale(1e39), "initial_loss_scale"),
         (lambda: jls.DynamicLossScale(min_loss_scale=1e-46), "min_loss_scale"),
@@ -37,10 +38,10 @@ BIG = 2**31  # one more than the largest int32
         (lambda: jls.DynamicLossScale(backoff_factor=1e-50), "backoff_factor"),
         (lambda: jls.DynamicLossScale(increment_period=BIG), "increment_period"),
         (lambda: jls.DynamicLossScale(hysteresis=BIG), "hysteresis"),
-        (lambda: jls.ExponentialUpdateLossScaleManager(8, BIG), "incr_every_n_steps"),
-        (lambda: jls.ExponentialUpdateLossScaleManager(8, 2, BIG), "decr_every_n_nan_or_inf"),
-        (lambda: jls.ExponentialUpdateLossScaleManager(8, 2, incr_ratio=1 + 1e-9), "incr_ratio"),
-        (lambda: jls.ExponentialUpdateLossScaleManager(8, 2, decr_ratio=1 - 1e-12),
+        (lambda: jls_tf.ExponentialUpdateLossScaleManager(8, BIG), "incr_every_n_steps"),
+        (lambda: jls_tf.ExponentialUpdateLossScaleManager(8, 2, BIG), "decr_every_n_nan_or_inf"),
+        (lambda: jls_tf.ExponentialUpdateLossScaleManager(8, 2, incr_ratio=1 + 1e-9), "incr_ratio"),
+        (lambda: jls_tf.ExponentialUpdateLossScaleManager(8, 2, decr_ratio=1 - 1e-12),
          "decr_ratio"),
     ],
 )
@@ -77,7 +78,7 @@ def test_numpy_and_concrete_jax_scalars_are_accepted_as_numbers(value):
   # jmp's idiom is jnp.float32(2**15).
   assert float(jls.FixedLossScale(value)()) == 32768.0
   assert float(jls.DynamicLossScale(value)()) == 32768.0
-  assert float(jls.get(value)()) == 32768.0
+  assert float(jls_tf.get(value)()) == 32768.0
   assert jls.DynamicLossScale(increment_period=np.int32(5)).increment_period == 5
 
 
@@ -97,12 +98,12 @@ def test_a_traced_hyperparameter_is_refused_with_a_clear_message():
 def test_update_loss_scale_takes_only_a_boolean_scalar(flag):
   # "x", nan and 2.5 used to count as finite; a shape-(2,) flag gave the state shape (2,).
   with pytest.raises(ValueError, match="`finite_grads` must be a boolean scalar"):
-    jls.ExponentialUpdateLossScaleManager(8, 2).update_loss_scale(flag)
+    jls_tf.ExponentialUpdateLossScaleManager(8, 2).update_loss_scale(flag)
 
 
 @pytest.mark.parametrize("flag", [True, np.bool_(False), jnp.array(True)])
 def test_update_loss_scale_takes_python_numpy_and_jax_booleans(flag):
-  manager = jls.ExponentialUpdateLossScaleManager(8.0, 1).update_loss_scale(flag)
+  manager = jls_tf.ExponentialUpdateLossScaleManager(8.0, 1).update_loss_scale(flag)
   assert float(manager()) == (16.0 if bool(flag) else 8.0)
   assert manager.current_loss_scale.shape == ()
 
@@ -141,10 +142,10 @@ def test_state_of_any_real_dtype_is_accepted(value):
 
 def test_deserialize_refuses_state_and_unknown_keys():
   # `deserialize` used to accept {"current_loss_scale": -3.0}.
-  config = jls.serialize(jls.DynamicLossScale())
+  config = jls_tf.serialize(jls.DynamicLossScale())
   config["config"]["current_loss_scale"] = -3.0
   with pytest.raises(ValueError, match="Unknown DynamicLossScale config keys.*current_loss_scale"):
-    jls.deserialize(json.loads(json.dumps(config)))
+    jls_tf.deserialize(json.loads(json.dumps(config)))
 
 
 def test_loss_scaling_errors_name_the_argument():
