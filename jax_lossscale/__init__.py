@@ -6,6 +6,8 @@ from jax_lossscale._autocast import PrecisionSummary
 from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import precision_summary
 from jax_lossscale._finite import all_finite
+from jax_lossscale._fp8 import Float8Matmul
+from jax_lossscale._fp8 import Float8Recipe
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
@@ -39,6 +41,8 @@ __all__ = (
     "ExponentialUpdateLossScaleManager",
     "FixedLossScale",
     "FixedLossScaleManager",
+    "Float8Matmul",
+    "Float8Recipe",
     "LossScale",
     "LossScaleManager",
     "LossScaleStuckError",

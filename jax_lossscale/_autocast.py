@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _fp8
 from jax_lossscale import _jax_internals as internals
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
@@ -86,7 +87,8 @@ FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call"
 _CASTABLE = frozenset(map(np.dtype, (jnp.float32, jnp.float16, jnp.bfloat16)))
 
 
-def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Callable[..., Any]:
+def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
+             fp8: Any = None) -> Callable[..., Any]:
   """`fun`, with its matmuls in `compute_dtype` and its precision-sensitive operations in
   float32, without editing it.
 
@@ -118,14 +120,20 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
       equinox modules) are traced, its other arguments are passed as they are.
     compute_dtype: the dtype of matmuls' operands: `jnp.float16` (GPU), `jnp.bfloat16`
       (TPU), or a name of the policy grammar (`"f16"`, `"half"`, `"bf16"`).
+    fp8: `None`, or a recipe for float8 matmuls (`"tensorwise"`, `"rowwise"` or a
+      `Float8Recipe`): each `dot_general` it takes runs on scaled float8 operands, in the
+      forward pass and both matmuls of its backward pass, and returns `compute_dtype`
+      (see `docs/fp8.md`).
 
   Returns:
     A function with `fun`'s signature, whose outputs have `fun`'s dtypes.
 
   Raises:
-    ValueError: if `compute_dtype` is not a floating dtype.
+    ValueError: if `compute_dtype` is not a floating dtype or is a float8 one, or `fp8`
+      names no recipe.
   """
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
+  recipe = _fp8.as_recipe(fp8, dtype)
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
@@ -138,7 +146,8 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
       return fun(*copy[0], **copy[1]), _nnx_state(copy)
 
     program, out_tree = internals.trace(traced, arrays)
-    out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
+    interpreter = _Interpreter(dtype, fp8=recipe)
+    out, state = jax.tree.unflatten(out_tree, interpreter.run_program(program, arrays))
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
@@ -158,9 +167,10 @@ def _is_array(leaf: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Interpreter:
-  """Runs programs with `compute_dtype` matmuls; warns once per primitive it cannot
-  handle (`warned`)."""
+  """Runs programs with `compute_dtype` matmuls, float8 ones where the recipe `fp8` takes
+  them; warns once per primitive it cannot handle (`warned`)."""
   compute_dtype: np.dtype
+  fp8: Any = None
   warned: set = dataclasses.field(default_factory=set)
 
   def run_program(self, program: Any, args: list) -> list:
@@ -199,6 +209,10 @@ class _Interpreter:
     target = self.compute_dtype
     if len({_dtype(x) for x in floating}) == 1 and _numerics.is_narrow(_dtype(floating[0])):
       target = _dtype(floating[0])  # cast by hand, or by an inner autocast: kept
+    if self.fp8 is not None and target == self.compute_dtype:
+      out = _fp8.matmul(self.fp8, op, operands, target)
+      if out is not None:
+        return [out]
     traced = {kind.dtype for x, kind in zip(operands, op.inputs, strict=True)
               if _is_floating(x)}
     params = {}
@@ -281,8 +295,9 @@ class PrecisionSummary:
 
   def __str__(self) -> str:
     width = max([len(p) for p, *_ in self.rows] + [9])
-    lines = [f"{'primitive':<{width}}  {'dtype':<8}  {'forward':>7}  {'backward':>8}"]
-    lines += [f"{p:<{width}}  {d:<8}  {f:>7}  {b:>8}" for p, d, f, b in self.rows]
+    dtype_width = max([len(d) for _, d, *_ in self.rows] + [8])  # float8_e4m3fn is 13
+    lines = [f"{'primitive':<{width}}  {'dtype':<{dtype_width}}  {'forward':>7}  {'backward':>8}"]
+    lines += [f"{p:<{width}}  {d:<{dtype_width}}  {f:>7}  {b:>8}" for p, d, f, b in self.rows]
     return "\n".join(lines)
 
 
