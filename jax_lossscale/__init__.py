@@ -11,6 +11,8 @@ from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import precision_summary
 from jax_lossscale._checkpoint import restore_state
 from jax_lossscale._finite import all_finite
+from jax_lossscale._fp8 import Float8Matmul
+from jax_lossscale._fp8 import Float8Recipe
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
@@ -36,6 +38,8 @@ __version__ = "0.2.0"
 __all__ = (
     "DynamicLossScale",
     "FixedLossScale",
+    "Float8Matmul",
+    "Float8Recipe",
     "LossScale",
     "LossScaleStuckError",
     "LossScalingState",

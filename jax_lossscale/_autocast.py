@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _fp8
 from jax_lossscale import _jax_internals as internals
 from jax_lossscale import _numerics
 from jax_lossscale import _policy
@@ -93,7 +94,8 @@ FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call"
 _CASTABLE = frozenset(map(np.dtype, (jnp.float32, jnp.float16, jnp.bfloat16)))
 
 
-def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Callable[..., Any]:
+def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
+             fp8: Any = None) -> Callable[..., Any]:
   """`fun`, with its matmuls in `compute_dtype` and its precision-sensitive operations in
   float32, without editing it.
 
@@ -125,18 +127,24 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
       equinox modules) are traced, its other arguments are passed as they are.
     compute_dtype: the dtype of matmuls' operands: `jnp.float16` (GPU), `jnp.bfloat16`
       (TPU), or a name of the policy grammar (`"f16"`, `"half"`, `"bf16"`).
+    fp8: `None`, or a recipe for float8 matmuls (`"tensorwise"`, `"rowwise"` or a
+      `Float8Recipe`): each `dot_general` it takes runs on scaled float8 operands, in the
+      forward pass and both matmuls of its backward pass, and returns `compute_dtype`
+      (see `docs/fp8.md`).
 
   Returns:
     A function with `fun`'s signature, whose outputs have `fun`'s dtypes.
 
   Raises:
     TypeError: if `fun` is not callable.
-    ValueError: if `compute_dtype` is not a floating dtype.
+    ValueError: if `compute_dtype` is not a floating dtype or is a float8 one, or `fp8`
+      names no recipe.
   """
   if not callable(fun):
     raise TypeError(f"autocast's `fun` must be callable, got {fun!r} of type "
                     f"{type(fun).__name__}.")
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
+  recipe = _fp8.as_recipe(fp8, dtype)
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
@@ -152,7 +160,8 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
     # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
     named = internals.Named("autocast", fun, args, kwargs, traced_leaves)
     program, out_tree = internals.trace(traced, arrays, named)
-    out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
+    interpreter = _Interpreter(dtype, fp8=recipe)
+    out, state = jax.tree.unflatten(out_tree, interpreter.run_program(program, arrays))
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
@@ -185,9 +194,10 @@ def _is_array(leaf: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Interpreter:
-  """Runs programs with `compute_dtype` matmuls; warns once per primitive it cannot
-  handle (`warned`)."""
+  """Runs programs with `compute_dtype` matmuls, float8 ones where the recipe `fp8` takes
+  them; warns once per primitive it cannot handle (`warned`)."""
   compute_dtype: np.dtype
+  fp8: Any = None
   warned: set = dataclasses.field(default_factory=set)
 
   def run_program(self, program: Any, args: list) -> list:
@@ -226,6 +236,10 @@ class _Interpreter:
     target = self.compute_dtype
     if len({_dtype(x) for x in floating}) == 1 and _numerics.is_narrow(_dtype(floating[0])):
       target = _dtype(floating[0])  # cast by hand, or by an inner autocast: kept
+    if self.fp8 is not None and target == self.compute_dtype:
+      out = _fp8.matmul(self.fp8, op, operands, target)
+      if out is not None:
+        return [out]
     traced = {kind.dtype for x, kind in zip(operands, op.inputs, strict=True)
               if _is_floating(x)}
     params = {}
@@ -373,15 +387,18 @@ class PrecisionSummary:
 
   def __str__(self) -> str:
     width = max([len(p) for p, *_ in self.rows] + [9])
-    lines = [f"{'primitive':<{width}}  {'dtype':<8}  {'forward':>7}  {'backward':>8}  location"]
+    dtype_width = max([len(d) for _, d, *_ in self.rows] + [8])  # float8_e4m3fn is 13
+    lines = [f"{'primitive':<{width}}  {'dtype':<{dtype_width}}  {'forward':>7}  {'backward':>8}"
+             "  location"]
     for p, d, f, b in self.rows:
-      lines.append(f"{p:<{width}}  {d:<8}  {f:>7}  {b:>8}")
+      lines.append(f"{p:<{width}}  {d:<{dtype_width}}  {f:>7}  {b:>8}")
       sites = sorted((site for site in self.sites if (site.primitive, site.dtype) == (p, d)),
                      key=lambda site: -(site.forward + site.backward))  # stable: program order
-      lines += [f"{'':<{width}}  {'':<8}  {site.forward:>7}  {site.backward:>8}  {site.location}"
+      blank = f"{'':<{width}}  {'':<{dtype_width}}"
+      lines += [f"{blank}  {site.forward:>7}  {site.backward:>8}  {site.location}"
                 for site in sites[:self.SHOWN]]
       if len(sites) > self.SHOWN:
-        lines.append(f"{'':<{width}}  {'':<8}  {'':>7}  {'':>8}  "
+        lines.append(f"{blank}  {'':>7}  {'':>8}  "
                      f"... {len(sites) - self.SHOWN} more (summary.locations({p!r}, {d!r}))")
     return "\n".join(lines)
 

@@ -523,6 +523,17 @@ class Operation:
         key in keys for key, value in self.eqn.params.items()
         if any(map(is_program, jax.tree.leaves(value, is_leaf=is_program))))
 
+  @property
+  def name_scope(self) -> str:
+    """Its name scope (`jax.named_scope`s, flax's module paths), "" if none."""
+    if _source_info is None:  # pragma: no cover
+      return ""
+    return str(_source_info.current_name_stack() + self.eqn.source_info.name_stack)
+
+  def in_scope(self) -> contextlib.AbstractContextManager:
+    """A context in which what is traced takes its name scope and source, as `bind`'s."""
+    return _source_of(self.eqn)
+
   def bind(self, operands: list, **params: Any) -> list:
     """Its results on `operands`, with `params` replacing its parameters of those names
     (in its name scope: called by `evaluate`'s `run`)."""
@@ -618,8 +629,15 @@ def _ran(jaxpr: Any, tainted: set, inside_backward: bool, outer: Source, found: 
     dtypes = floating(eqn.invars) or floating(eqn.outvars)
     container = eqn.primitive.name in _PROGRAM_PARAMS or eqn.primitive.name == "shard_map"
     if dtypes and not container:  # a scatter's combiner program is part of its operation
-      found.append(Ran(eqn.primitive.name, functools.reduce(jnp.promote_types, dtypes),
-                       backward, source))
+      found.append(Ran(eqn.primitive.name, _widest(dtypes), backward, source))
+
+
+def _widest(dtypes: list[np.dtype]) -> np.dtype:
+  """The widest of `dtypes`; 8-bit floats do not promote: a float8 matmul of two formats
+  (a gradient in e5m2 times e4m3) counts under its first operand's."""
+  if all(dtype.itemsize == 1 for dtype in dtypes):
+    return dtypes[0]
+  return functools.reduce(jnp.promote_types, dtypes)
 
 
 # Differentiation.
@@ -635,3 +653,4 @@ def not_reverse_differentiable(error: BaseException) -> bool:
            and "Reverse-mode differentiation does not work for lax.while_loop" in message)
           or (isinstance(error, NotImplementedError)
               and "Transpose rule (for reverse-mode differentiation)" in message))
+

@@ -28,14 +28,18 @@ from jax_lossscale import _policy
 from jax_lossscale import _trees
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import LossScale
+from jax_lossscale._readiness import Fp8Readiness
+from jax_lossscale._readiness import Fp8TensorReadiness
+from jax_lossscale._readiness import fp8_readiness
 from jax_lossscale.probes import LOSS
 from jax_lossscale.probes import Probes
 from jax_lossscale.probes import ProbeSummary
 from jax_lossscale.probes import TensorSummary
 from jax_lossscale.probes import probe
 
-__all__ = ("LOSS", "LossScaleAdvice", "ProbeSummary", "Probes", "TensorSummary",
-           "backward_overflow_origin", "forward_nonfinite_origin", "gradient_stats", "headroom",
+__all__ = ("LOSS", "Fp8Readiness", "Fp8TensorReadiness", "LossScaleAdvice", "ProbeSummary",
+           "Probes", "TensorSummary", "backward_overflow_origin", "forward_nonfinite_origin",
+           "fp8_readiness", "gradient_stats", "headroom",
            "layers", "nonfinite_leaf_paths", "nonfinite_leaves", "probe",
            "recommend_loss_scale", "summarize", "table")
 

@@ -1,0 +1,423 @@
+"""float8 matmuls with current scaling, for `autocast(fun, fp8=recipe)`.
+
+A float8 matmul scales each operand into its format's range, casts it to float8, multiplies
+the float8 operands with a float32 result (`dot_general(..., preferred_element_type=
+float32)`, which XLA:GPU runs as a cuBLASLt float8 GEMM on Hopper) and divides the scales
+out of the product. Scales are computed from the tensors at every call ("current"
+scaling, as torchao and Transformer Engine's `Float8CurrentScaling` do): `finfo(format).max
+/ amax`, so nothing is kept between steps and one overflowed step cannot spoil the next.
+
+The backward pass runs both of its matmuls in float8 too, with the incoming gradient in
+the recipe's `grad_format`, each operand scaled again along that matmul's own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+GRANULARITIES = ("tensor", "row")
+_F32 = np.dtype(jnp.float32)
+
+
+class Float8Matmul(NamedTuple):
+  """A matmul that a recipe's `filter_fn` is asked about.
+
+  Attributes:
+    name_scope: its name scope (a flax module's path, a `jax.named_scope`), "" if none.
+    lhs_shape: its left operand's shape.
+    rhs_shape: its right operand's shape (a dense layer's kernel).
+  """
+  name_scope: str
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+  """How `autocast(fun, fp8=recipe)` runs a matmul in float8.
+
+  The named recipes are `Float8Recipe.from_name("tensorwise")` (torchao's tensorwise,
+  Transformer Engine's current scaling with its HYBRID formats) and
+  `Float8Recipe.from_name("rowwise")` (torchao's rowwise); change one with keyword
+  arguments, e.g. `Float8Recipe.from_name("tensorwise", filter_fn=...)`.
+
+  Attributes:
+    granularity: `"tensor"`, one scale per operand; or `"row"`, one scale per row of each
+      operand along its non-contracting dimensions, so that one outlier row does not
+      flush the other rows to zero.
+    lhs_format: the float8 format of the forward matmul's left operand (activations).
+    rhs_format: the float8 format of its right operand (weights).
+    grad_format: the float8 format of the incoming gradient in both backward matmuls.
+    power_of_two_scales: whether scales are rounded down to powers of two (applying and
+      removing them is then exact).
+    min_size: the smallest size of a matmul's rows, columns and contraction (each also a
+      multiple of 16, as cuBLASLt's float8 GEMM requires) for it to run in float8; on a
+      GPU, matmuls below a few thousand are faster in bfloat16 (torchao measures 0.8x at
+      1024x2048x1024): raise it there.
+    filter_fn: `None`, or a function of a `Float8Matmul` that returns whether that
+      matmul runs in float8 (torchao's `module_filter_fn`), e.g. to keep the first and
+      last layers in `compute_dtype`.
+  """
+  granularity: str = "tensor"
+  lhs_format: Any = E4M3
+  rhs_format: Any = E4M3
+  grad_format: Any = E5M2
+  power_of_two_scales: bool = False
+  min_size: int = 16
+  filter_fn: Callable[[Float8Matmul], bool] | None = None
+
+  def __post_init__(self):
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f"`granularity` must be one of {GRANULARITIES}, got {self.granularity!r}.")
+    for argument in ("lhs_format", "rhs_format", "grad_format"):
+      object.__setattr__(self, argument, _float8_format(getattr(self, argument), argument))
+    if not isinstance(self.min_size, int) or isinstance(self.min_size, bool) or self.min_size < 1:
+      raise ValueError(f"`min_size` must be a positive int, got {self.min_size!r}.")
+    if self.filter_fn is not None and not callable(self.filter_fn):
+      raise TypeError(f"`filter_fn` must be None or a function of a Float8Matmul, got "
+                      f"{self.filter_fn!r}.")
+
+  @classmethod
+  def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
+    """The recipe named `name` (`"tensorwise"` or `"rowwise"`), with `changes` to its fields."""
+    if name not in RECIPES:
+      raise ValueError(f"`fp8` must be one of {tuple(RECIPES)} or a Float8Recipe, got {name!r}.")
+    return dataclasses.replace(RECIPES[name], **changes)
+
+  def runs(self, matmul: Float8Matmul, dimension_numbers: Any) -> bool:
+    """Whether `matmul` runs in float8 under this recipe."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    sizes = (_size(matmul.lhs_shape, lhs_contract, lhs_batch),
+             _size(matmul.lhs_shape, (), _others(len(matmul.lhs_shape), lhs_contract, lhs_batch)),
+             _size(matmul.rhs_shape, rhs_contract, rhs_batch))
+    if any(size % 16 or size < self.min_size for size in sizes):
+      return False
+    return self.filter_fn is None or bool(self.filter_fn(matmul))
+
+
+def _size(shape: tuple[int, ...], *excluded: Any) -> int:
+  """The product of `shape`'s dimensions outside `excluded` (sequences of axes)."""
+  skip = {axis for axes in excluded for axis in axes}
+  return math.prod(n for axis, n in enumerate(shape) if axis not in skip)
+
+
+def _others(ndim: int, *axes: Any) -> list[int]:
+  """The axes of an `ndim`-dimensional array that are in none of `axes`, in order."""
+  taken = {axis for group in axes for axis in group}
+  return [axis for axis in range(ndim) if axis not in taken]
+
+
+def _float8_format(value: Any, argument: str) -> np.dtype:
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize != 1:
+    raise ValueError(f"`{argument}` must be a float8 format (jnp.float8_e4m3fn, "
+                     f"jnp.float8_e5m2), got {value!r}.")
+  return dtype
+
+
+RECIPES = {
+    "tensorwise": Float8Recipe(),
+    "rowwise": Float8Recipe("row", grad_format=E4M3, power_of_two_scales=True),
+}
+
+
+def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
+  """`autocast`'s `fp8` argument as a recipe (`None` stays `None`), checked with its
+  `compute_dtype`."""
+  if np.dtype(compute_dtype).itemsize == 1:
+    raise ValueError(
+        f"`compute_dtype` must be float16, bfloat16 or float32, got {compute_dtype!r}: an "
+        "unscaled float8 matmul flushes small values to zero; pass "
+        "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
+  if fp8 is None or isinstance(fp8, (Float8Recipe, Measurement)):
+    return fp8
+  if isinstance(fp8, str):
+    return Float8Recipe.from_name(fp8)
+  raise TypeError(f"`fp8` must be None, one of {tuple(RECIPES)} or a Float8Recipe, got "
+                  f"{fp8!r}.")
+
+
+def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax.Array | None:
+  """The matmul `op` (an `Operation` of `autocast`'s interpreter) on `operands` in float8
+  under `recipe`, returning `compute_dtype`; None where the recipe does not take it (a
+  convolution, integer operands, a size it excludes: it runs in `compute_dtype`)."""
+  if op.name != "dot_general" or not all(_is_floating(x) for x in operands):
+    return None
+  lhs, rhs = operands
+  described = Float8Matmul(op.name_scope, tuple(lhs.shape), tuple(rhs.shape))
+  dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
+  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
+  if not measured.runs(described, dimension_numbers):
+    return None
+  lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+  with op.in_scope():
+    if isinstance(recipe, Measurement):
+      index = recipe.add(described)
+      return _measured_dot(lhs, rhs, dimension_numbers, recipe, index, compute_dtype)
+    return _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
+
+
+def _is_floating(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return isinstance(dtype, np.dtype) and bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+# Scaling.
+
+
+def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> jax.Array:
+  """The float32 factor that takes a tensor of largest magnitude `amax` to `fmt`'s largest
+  value; 1 where `amax` is 0 or not finite (what is scaled stays non-finite, and the next
+  call computes its scale afresh), and never above float32's largest value."""
+  largest = float(jnp.finfo(fmt).max)
+  usable = jnp.isfinite(amax) & (amax > 0)
+  factor = jnp.minimum(largest / jnp.where(usable, amax, 1.0), float(jnp.finfo(_F32).max))
+  factor = jnp.where(usable, factor, 1.0)
+  if power_of_two:
+    factor = jnp.exp2(jnp.floor(jnp.log2(factor)))
+  # Rounding can take `amax * factor` a hair past `largest`: step the factor down once.
+  smaller = factor / 2 if power_of_two else jnp.nextafter(factor, jnp.zeros_like(factor))
+  return jnp.where(amax * factor > largest, smaller, factor)
+
+
+def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> tuple:
+  """`(x * scale in float32, scale)`: the scale per tensor, or per row (the amax taken over
+  the contracting axes `contract`), with `x`'s number of dimensions."""
+  x = x.astype(_F32)
+  axes = tuple(range(x.ndim)) if recipe.granularity == "tensor" else tuple(contract)
+  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+  factor = scale(amax, fmt, recipe.power_of_two_scales)
+  return x * factor, factor
+
+
+def to_float8(values: jax.Array, fmt: np.dtype) -> jax.Array:
+  """Scaled `values` cast to `fmt`, saturating at its largest finite value; inf and NaN
+  stay non-finite (e4m3 has no inf: they become NaN), so an overflow is still seen."""
+  largest = float(jnp.finfo(fmt).max)
+  clipped = jnp.where(jnp.isfinite(values), jnp.clip(values, -largest, largest), values)
+  return clipped.astype(fmt)
+
+
+def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
+                  others: int) -> jax.Array:
+  """An operand's scale laid out for `dot_general`'s result (batch axes, the left
+  operand's other axes, the right operand's), with `others` axes of size 1 for the
+  other operand's free axes."""
+  free = _others(factor.ndim, contract, batch)
+  order = list(batch) + free
+  shape = [factor.shape[axis] for axis in order]
+  ones = [1] * others
+  if lhs:
+    shape = shape + ones
+  else:
+    shape = shape[:len(batch)] + ones + shape[len(batch):]
+  return jnp.transpose(factor, order + list(contract)).reshape(shape)
+
+
+def scaled_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, lhs_format: np.dtype,
+               rhs_format: np.dtype, recipe: Float8Recipe) -> jax.Array:
+  """`dot_general(lhs, rhs)` on float8 operands, in float32, the scales divided out."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  lhs_values, lhs_scale = scaled(lhs, lhs_format, lhs_contract, recipe)
+  rhs_values, rhs_scale = scaled(rhs, rhs_format, rhs_contract, recipe)
+  out = lax.dot_general(to_float8(lhs_values, lhs_format), to_float8(rhs_values, rhs_format),
+                        dimension_numbers, preferred_element_type=_F32)
+  lhs_free = len(_others(lhs.ndim, lhs_contract, lhs_batch))
+  rhs_free = len(_others(rhs.ndim, rhs_contract, rhs_batch))
+  out = out / _output_scale(lhs_scale, lhs_batch, lhs_contract, True, rhs_free)
+  return out / _output_scale(rhs_scale, rhs_batch, rhs_contract, False, lhs_free)
+
+
+def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any) -> jax.Array:
+  """`dot_general(lhs, rhs)` accumulated and returned in float32 (on float32 copies of the
+  operands: the same products, and XLA:CPU has no bfloat16 x bfloat16 = float32 dot)."""
+  return lax.dot_general(lhs.astype(_F32), rhs.astype(_F32), dimension_numbers)
+
+
+# The backward pass's matmuls.
+
+
+class _Transposed(NamedTuple):
+  """A backward matmul: `dot_general(gradient, other, dimension_numbers)` transposed by
+  `axes` is the gradient of one operand."""
+  dimension_numbers: Any
+  axes: tuple[int, ...]
+
+
+def _ranges(*groups: Any) -> list[list[int]]:
+  """Consecutive ranges of axes, one as long as each of `groups`."""
+  start, out = 0, []
+  for group in groups:
+    out.append(list(range(start, start + len(group))))
+    start += len(group)
+  return out
+
+
+def _gradient_of_lhs(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int,
+                     swapped: bool = False) -> _Transposed:
+  """The backward matmul giving the left operand's gradient (JAX's own transpose of
+  `dot_general`): the incoming gradient contracted with the right operand."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  lhs_kept = _others(lhs_ndim, lhs_contract, lhs_batch)
+  rhs_kept = _others(rhs_ndim, rhs_contract, rhs_batch)
+  if swapped:
+    out_batch, out_rhs, _ = _ranges(lhs_batch, rhs_kept, lhs_kept)
+  else:
+    out_batch, _, out_rhs = _ranges(lhs_batch, lhs_kept, rhs_kept)
+  numbers = ((tuple(out_rhs), tuple(rhs_kept)), (tuple(out_batch), tuple(rhs_batch)))
+  contract_by_rhs = [lhs_contract[i] for i in np.argsort(rhs_contract)]
+  axes = tuple(int(a) for a in np.argsort(list(lhs_batch) + lhs_kept + contract_by_rhs))
+  return _Transposed(numbers, axes)
+
+
+def _gradient_of_rhs(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> _Transposed:
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  return _gradient_of_lhs(((rhs_contract, lhs_contract), (rhs_batch, lhs_batch)), rhs_ndim,
+                          lhs_ndim, swapped=True)
+
+
+def _gradients(dot: Callable, g: jax.Array, lhs: jax.Array, rhs: jax.Array,
+               dimension_numbers: Any, formats: tuple, recipe: Any) -> tuple:
+  """The gradients of `lhs` and `rhs` (float32) from the incoming gradient `g`, each a
+  `dot(g, other, numbers, grad_format, other's format, recipe)` transposed."""
+  grad_format, lhs_format, rhs_format = formats
+  of_lhs = _gradient_of_lhs(dimension_numbers, lhs.ndim, rhs.ndim)
+  of_rhs = _gradient_of_rhs(dimension_numbers, lhs.ndim, rhs.ndim)
+  lhs_bar = dot(g, rhs, of_lhs.dimension_numbers, grad_format, rhs_format, recipe)
+  rhs_bar = dot(g, lhs, of_rhs.dimension_numbers, grad_format, lhs_format, recipe)
+  return jnp.transpose(lhs_bar, of_lhs.axes), jnp.transpose(rhs_bar, of_rhs.axes)
+
+
+def _formats(recipe: Float8Recipe) -> tuple:
+  return recipe.grad_format, recipe.lhs_format, recipe.rhs_format
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
+  out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
+  return out.astype(dtype)
+
+
+def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
+  return _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype), (lhs, rhs)
+
+
+def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
+  lhs, rhs = residuals
+  lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(recipe),
+                                recipe)
+  return lhs_bar.astype(lhs.dtype), rhs_bar.astype(rhs.dtype)
+
+
+_float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
+
+
+# Measuring what float8 would do, for the readiness report.
+
+
+class TensorStats(NamedTuple):
+  """What casting one tensor to float8 under one recipe does.
+
+  Attributes:
+    size: how many values it holds.
+    amax: its largest magnitude.
+    flushed: how many of its non-zero values become zero.
+    saturated: how many scale past the format's largest value (non-finite ones included).
+  """
+  size: Any
+  amax: Any
+  flushed: Any
+  saturated: Any
+
+
+def tensor_stats(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> TensorStats:
+  """`TensorStats` of `x`, scaled as `scaled_dot` scales it along `contract`."""
+  values, _ = scaled(x, fmt, contract, recipe)
+  largest = float(jnp.finfo(fmt).max)
+  quantized = to_float8(values, fmt)
+  flushed = jnp.sum((values != 0) & (quantized == 0))
+  saturated = jnp.sum(~(jnp.abs(values) <= largest))
+  return TensorStats(jnp.asarray(x.size), jnp.max(jnp.abs(x.astype(_F32))), flushed, saturated)
+
+
+def relative_error(approximate: jax.Array, reference: jax.Array) -> tuple:
+  """`(sum of squared differences, sum of squared reference values)`, in float32."""
+  return jnp.sum(jnp.square(approximate - reference)), jnp.sum(jnp.square(reference))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Measurement:
+  """A stand-in for a recipe that runs each eligible matmul in `compute_dtype` and
+  reports, through `record`, what each of `recipes` would do to it.
+
+  Attributes:
+    recipes: the recipes measured; the first decides which matmuls are eligible.
+    record: called on the host as `record(matmul index, kind, stats)`, `kind` one of
+      "lhs", "rhs", "gradient for lhs", "gradient for rhs" (the incoming gradient as
+      scaled for each backward matmul; a `{recipe index: TensorStats}`) or "forward", "lhs
+      gradient", "rhs gradient" (a `{recipe index: relative_error pair}`).
+    matmuls: the `Float8Matmul` of each index, as they were met.
+  """
+  recipes: tuple[Float8Recipe, ...]
+  record: Callable[[int, str, dict], None]
+  matmuls: list = dataclasses.field(default_factory=list)
+
+  def add(self, matmul: Float8Matmul) -> int:
+    self.matmuls.append(matmul)
+    return len(self.matmuls) - 1
+
+  def emit(self, index: int, kind: str, stats: dict) -> None:
+    jax.debug.callback(functools.partial(self.record, index, kind), stats)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _measured_dot(lhs, rhs, dimension_numbers, measurement, index, dtype):
+  return _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype)[0]
+
+
+def _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype):
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  reference = plain_dot(lhs, rhs, dimension_numbers)
+  for kind, x, contract, fmt in (("lhs", lhs, lhs_contract, "lhs_format"),
+                                 ("rhs", rhs, rhs_contract, "rhs_format")):
+    measurement.emit(index, kind, {i: tensor_stats(x, getattr(r, fmt), contract, r)
+                                   for i, r in enumerate(measurement.recipes)})
+  measurement.emit(index, "forward", {
+      i: relative_error(scaled_dot(lhs, rhs, dimension_numbers, r.lhs_format, r.rhs_format, r),
+                        reference) for i, r in enumerate(measurement.recipes)})
+  return reference.astype(dtype), (lhs, rhs)
+
+
+def _measured_dot_backward(dimension_numbers, measurement, index, dtype, residuals, g):
+  lhs, rhs = residuals
+  for kind, of in (("gradient for lhs", _gradient_of_lhs), ("gradient for rhs", _gradient_of_rhs)):
+    contract = of(dimension_numbers, lhs.ndim, rhs.ndim).dimension_numbers[0][0]
+    measurement.emit(index, kind, {i: tensor_stats(g, r.grad_format, contract, r)
+                                   for i, r in enumerate(measurement.recipes)})
+  references = _gradients(plain_dot, g, lhs, rhs, dimension_numbers, (None,) * 3, None)
+  lhs_errors, rhs_errors = {}, {}
+  for i, r in enumerate(measurement.recipes):
+    lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(r), r)
+    lhs_errors[i] = relative_error(lhs_bar, references[0])
+    rhs_errors[i] = relative_error(rhs_bar, references[1])
+  measurement.emit(index, "lhs gradient", lhs_errors)
+  measurement.emit(index, "rhs gradient", rhs_errors)
+  return references[0].astype(lhs.dtype), references[1].astype(rhs.dtype)
+
+
+_measured_dot.defvjp(_measured_dot_forward, _measured_dot_backward)
