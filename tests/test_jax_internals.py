@@ -290,3 +290,19 @@ def test_a_user_context_value_is_part_of_jits_cache_key():
     with context(value):
       f(1.0)
   assert traces == ["a", "b"] and context.value is None
+
+
+def test_an_operation_tells_its_name_scope_and_traces_in_it():
+  def f(x):
+    with jax.named_scope("layer_1"):
+      return jnp.tanh(x)
+
+  program, _ = internals.trace(f, [jnp.ones(2)])
+  [op] = [internals.Operation(e) for e in internals.equations(program)]
+
+  def rerun(x):
+    with op.in_scope():
+      return jnp.sin(x)
+
+  assert op.name_scope == "layer_1"
+  assert "layer_1/sin" in jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)
