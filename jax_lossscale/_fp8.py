@@ -188,11 +188,12 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> jax.Array:
   usable = jnp.isfinite(amax) & (amax > 0)
   factor = jnp.minimum(largest / jnp.where(usable, amax, 1.0), float(jnp.finfo(_F32).max))
   factor = jnp.where(usable, factor, 1.0)
-  if power_of_two:
-    factor = jnp.exp2(jnp.floor(jnp.log2(factor)))
+  if power_of_two:  # its exponent bits alone (XLA's exp2 is not exact)
+    bits = lax.bitcast_convert_type(factor, jnp.int32) & np.int32(0x7F800000)
+    factor = lax.bitcast_convert_type(bits, _F32)
   # Rounding can take `amax * factor` a hair past `largest`: step the factor down once.
   smaller = factor / 2 if power_of_two else jnp.nextafter(factor, jnp.zeros_like(factor))
-  return jnp.where(amax * factor > largest, smaller, factor)
+  return jnp.where(usable & (amax * factor > largest), smaller, factor)
 
 
 def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> tuple:
@@ -356,8 +357,13 @@ def tensor_stats(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recip
 
 
 def relative_error(approximate: jax.Array, reference: jax.Array) -> tuple:
-  """`(sum of squared differences, sum of squared reference values)`, in float32."""
-  return jnp.sum(jnp.square(approximate - reference)), jnp.sum(jnp.square(reference))
+  """`(sum of the rows' squared relative errors, how many rows)`, rows along the last
+  axis, rows of zeros left out: a row flushed to zero counts in full, however small."""
+  difference = jnp.sum(jnp.square(approximate - reference), axis=-1)
+  norm = jnp.sum(jnp.square(reference), axis=-1)
+  counted = norm > 0
+  return jnp.sum(jnp.where(counted, difference / jnp.where(counted, norm, 1.0), 0.0)), jnp.sum(
+      counted)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

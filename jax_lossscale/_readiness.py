@@ -34,7 +34,8 @@ _PRODUCT = {"lhs": "forward", "rhs": "forward", "gradient for lhs": "lhs gradien
 class Fp8TensorReadiness:
   """One tensor of one matmul a float8 recipe would take, and what each recipe does to it.
 
-  Counts and sums are over every time the matmul ran (a loop body's, at each iteration).
+  Counts and sums are over every time the matmul ran (a loop body's, at each iteration;
+  an operand that does not change in the loop may be measured once).
 
   Attributes:
     matmul: the matmul's index, in the order the forward pass met them.
@@ -49,10 +50,11 @@ class Fp8TensorReadiness:
     flushed: per recipe, how many of its non-zero values become zero in float8.
     saturated: per recipe, how many scale past the format's largest value (non-finite
       values included).
-    error: per recipe, the relative error (root of the sum of squared differences over
-      that of the values) of the product this tensor enters (the forward product for
-      `"lhs"` and `"rhs"`, the gradient of that operand for a gradient) in float8,
-      against the same product in `compute_dtype`.
+    error: per recipe, the relative error of the product this tensor enters (the forward
+      product for `"lhs"` and `"rhs"`, the gradient of that operand for a gradient) in
+      float8, against the same product in `compute_dtype`: the root mean square over the
+      product's rows (along its last axis) of each row's relative error, so that a row
+      flushed to zero beside an outlier counts as much as any other.
     recommended: the recipe recommended for this matmul (the first of the recipes asked
       whose errors on all its products are within `error_limit`), or None: keep it in
       `compute_dtype`.
@@ -144,7 +146,7 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
     for i, value in stats.items():
       total = totals.setdefault((index, kind, names[i]), {})
       for field, number in (value._asdict() if isinstance(value, _fp8.TensorStats)
-                            else {"difference": value[0], "reference": value[1]}).items():
+                            else {"squared": value[0], "rows": value[1]}).items():
         combine = np.max if field == "amax" else np.sum
         number = combine(np.asarray(number, np.float64))
         total[field] = number if field not in total else combine([total[field], number])
@@ -171,7 +173,7 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 def _rows(matmuls: list, totals: dict, names: tuple, error_limit: float) -> tuple:
   def error(index, product, name):
     sums = totals[index, product, name]
-    return float(np.sqrt(sums["difference"] / sums["reference"])) if sums["reference"] else 0.0
+    return float(np.sqrt(sums["squared"] / sums["rows"])) if sums["rows"] else 0.0
 
   rows = []
   for index, matmul in enumerate(matmuls):

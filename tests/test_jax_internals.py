@@ -389,3 +389,19 @@ def test_a_private_jax_name_that_moved_warns_once_naming_what_stops_working(
   internals.degraded.cache_clear()
   [warning] = [w for w in warned if w.category is RuntimeWarning]
   assert all(name in str(warning.message) for name in names)
+
+
+def test_an_operation_tells_its_name_scope_and_traces_in_it():
+  def f(x):
+    with jax.named_scope("layer_1"):
+      return jnp.tanh(x)
+
+  program, _ = internals.trace(f, [jnp.ones(2)])
+  [op] = [internals.Operation(e) for e in internals.equations(program)]
+
+  def rerun(x):
+    with op.in_scope():
+      return jnp.sin(x)
+
+  assert op.name_scope == "layer_1"
+  assert "layer_1/sin" in jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)

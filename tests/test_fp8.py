@@ -1,0 +1,370 @@
+"""`autocast(..., fp8=recipe)`: current-scaled float8 matmuls, forward and backward.
+
+Dtypes are asserted on the traced program (the float8 operands and float32 result of the
+forward matmul and of both backward matmuls), numbers against float32, and composition
+with JAX's transformations, flax, equinox and loss scaling.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen
+from flax import nnx
+from jax import lax
+
+import jax_lossscale as jls
+from jax_lossscale import _fp8
+from jax_lossscale import _jax_internals as internals
+
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+KEYS = jax.random.split(jax.random.key(0), 4)
+X = jax.random.normal(KEYS[0], (32, 64))
+W = jax.random.normal(KEYS[1], (64, 48)) / 8
+C = jax.random.normal(KEYS[2], (32, 48))
+# The targets' matmul: 256x1024 by 1024x512, N(0, 1).
+BIG_X = jax.random.normal(KEYS[0], (256, 1024))
+BIG_W = jax.random.normal(KEYS[1], (1024, 512))
+RECIPES = ("tensorwise", "rowwise")
+
+
+def loss(x, w):
+  return jnp.sum((x @ w) * C)
+
+
+def relative_error(approximate, reference):
+  approximate, reference = np.asarray(approximate, np.float64), np.asarray(reference, np.float64)
+  return np.linalg.norm(approximate - reference) / np.linalg.norm(reference)
+
+
+def float8_dots(program):
+  """`(lhs dtype, rhs dtype, preferred_element_type)` of every `dot_general` with float8
+  operands in `program` and the programs inside it."""
+  found = []
+  for eqn in internals.equations(program):
+    for inner in internals.programs(eqn):
+      found += float8_dots(inner)
+    if internals.primitive_name(eqn) == "dot_general":
+      lhs, rhs = map(internals.dtype_of, internals.operands(eqn))
+      if lhs.itemsize == 1:
+        found.append((lhs, rhs, np.dtype(eqn.params["preferred_element_type"])))
+  return found
+
+
+def grads(fun, *args):
+  return jax.jit(jax.grad(fun, argnums=tuple(range(len(args)))))(*args)
+
+
+# --- what runs in float8 --------------------------------------------------------------
+
+
+def test_tensorwise_runs_e4m3_forward_and_the_gradient_in_e5m2_backward_with_float32_results():
+  program = jax.make_jaxpr(jax.grad(jls.autocast(loss, jnp.bfloat16, fp8="tensorwise"),
+                                    argnums=(0, 1)))(X, W)
+  assert sorted(float8_dots(program), key=str) == sorted(
+      [(E4M3, E4M3, F32), (E5M2, E4M3, F32), (E5M2, E4M3, F32)], key=str)
+
+
+def test_rowwise_runs_e4m3_in_all_three_matmuls_with_float32_results():
+  program = jax.make_jaxpr(jax.grad(jls.autocast(loss, jnp.bfloat16, fp8="rowwise"),
+                                    argnums=(0, 1)))(X, W)
+  assert float8_dots(program) == [(E4M3, E4M3, F32)] * 3
+
+
+def test_precision_summary_shows_the_float8_matmuls_forward_and_backward():
+  summary = jls.precision_summary(jls.autocast(loss, jnp.bfloat16, fp8="tensorwise"), X, W)
+  assert summary.count("dot_general", E4M3) == 1
+  assert summary.count("dot_general", E5M2, backward=True) == 2
+  assert summary.count("dot_general", BF16) + summary.count("dot_general", BF16, True) == 0
+  assert "float8_e5m2" in str(summary)
+
+
+def test_the_float8_matmul_returns_compute_dtype_and_the_function_keeps_its_dtypes():
+  f = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="tensorwise")
+  program = jax.make_jaxpr(f)(X, W)
+  assert f(X, W).dtype == F32
+  assert [internals.dtype_of(v) for e in internals.equations(program)
+          if internals.primitive_name(e) == "custom_vjp_call"
+          for v in internals.results(e)] == [BF16]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gradients_of_float32_inputs_are_float32(recipe):
+  assert [g.dtype for g in grads(jls.autocast(loss, jnp.bfloat16, fp8=recipe), X, W)] == [F32] * 2
+
+
+def test_without_fp8_autocast_runs_matmuls_in_compute_dtype_as_before():
+  summary = jls.precision_summary(jls.autocast(loss, jnp.bfloat16), X, W)
+  assert summary.count("dot_general", BF16) == 1
+  assert summary.count("dot_general", E4M3) == 0
+
+
+@pytest.mark.parametrize("shapes", [((32, 40), (40, 48)), ((8, 64), (64, 48)),
+                                    ((32, 64), (64, 8))], ids=["k=40", "m=8", "n=8"])
+def test_a_matmul_with_a_size_not_a_multiple_of_16_stays_in_compute_dtype(shapes):
+  x, w = jnp.ones(shapes[0]), jnp.ones(shapes[1])
+  summary = jls.precision_summary(jls.autocast(lambda x, w: jnp.sum(x @ w), jnp.bfloat16,
+                                               fp8="tensorwise"), x, w)
+  assert summary.count("dot_general", BF16) == 1
+  assert summary.count("dot_general", E4M3) == 0
+
+
+def test_a_matmul_below_min_size_stays_in_compute_dtype():
+  recipe = jls.Float8Recipe.from_name("tensorwise", min_size=64)
+  summary = jls.precision_summary(jls.autocast(loss, jnp.bfloat16, fp8=recipe), X, W)
+  assert summary.count("dot_general", BF16) == 1  # 48 columns
+
+
+def test_a_matmul_with_an_integer_operand_stays_as_autocast_runs_it():
+  w = jnp.ones((64, 48), jnp.int8)
+  f = jls.autocast(lambda x, w: lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                                preferred_element_type=jnp.float32),
+                   jnp.bfloat16, fp8="tensorwise")
+  program = jax.make_jaxpr(f)(X, w)
+  assert float8_dots(program) == []
+
+
+def test_an_embedding_lookup_is_no_matmul_and_stays_a_gather_of_the_table():
+  table = jax.random.normal(KEYS[3], (64, 32))
+  summary = jls.precision_summary(jls.autocast(lambda t: jnp.sum(t[jnp.arange(16)] @ t.T),
+                                               jnp.bfloat16, fp8="tensorwise"), table)
+  assert summary.count("gather", F32) == 1
+  assert summary.count("dot_general", E4M3) == 1
+
+
+def test_filter_fn_keeps_the_matmuls_it_refuses_in_compute_dtype_by_name_scope():
+  def two_layers(x, w):
+    with jax.named_scope("body"):
+      h = x @ w
+    with jax.named_scope("head"):
+      return jnp.sum((h @ w.T) ** 2)
+
+  asked = []
+
+  def filter_fn(matmul):
+    asked.append(matmul)
+    return "head" not in matmul.name_scope
+
+  recipe = jls.Float8Recipe.from_name("tensorwise", filter_fn=filter_fn)
+  summary = jls.precision_summary(jls.autocast(two_layers, jnp.bfloat16, fp8=recipe), X, W)
+  assert summary.count("dot_general", E4M3) == 1
+  assert summary.count("dot_general", BF16) == 1
+  assert jls.Float8Matmul("body", (32, 64), (64, 48)) in asked
+  assert jls.Float8Matmul("head", (32, 48), (48, 64)) in asked
+
+
+def test_an_einsum_and_a_batched_matmul_run_in_float8():
+  x, w = jax.random.normal(KEYS[0], (4, 32, 64)), jax.random.normal(KEYS[1], (4, 64, 48))
+  f = jls.autocast(lambda x, w: jnp.sum(jnp.einsum("bij,bjk->bki", x, w) + jnp.matmul(x, w)
+                                        .transpose(0, 2, 1)), jnp.bfloat16, fp8="rowwise")
+  assert jls.precision_summary(f, x, w).count("dot_general", E4M3) == 2
+
+
+# --- the numbers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("magnitude", [1.0, 1e-6, 1e4])
+def test_the_matmuls_error_is_float8s_at_any_magnitude(recipe, magnitude):
+  x = BIG_X * magnitude
+  out = jax.jit(jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8=recipe))(x, BIG_W)
+  error = relative_error(out, x @ BIG_W)
+  assert 0.02 < error < 0.05  # float8's error, where bfloat16's is 0.003
+
+
+def test_beside_an_outlier_row_rowwise_keeps_the_others_at_float8s_error_tensorwise_does_not():
+  x = BIG_X.at[0].multiply(1e5)
+  errors = {recipe: relative_error(jax.jit(jls.autocast(
+      lambda x, w: x @ w, jnp.bfloat16, fp8=recipe))(x, BIG_W)[1:], (x @ BIG_W)[1:])
+            for recipe in RECIPES}
+  assert errors["rowwise"] < 0.05
+  assert errors["tensorwise"] > 0.2
+
+
+@pytest.mark.parametrize("recipe, limit", [("tensorwise", 0.07), ("rowwise", 0.05)])
+def test_gradients_are_within_float8s_error_of_float32s(recipe, limit):
+  x, w = BIG_X[:128, :256], BIG_W[:256, :128]
+  c = jax.random.normal(KEYS[2], (128, 128))
+  f = lambda x, w: jnp.sum((x @ w) * c)
+  expected = grads(f, x, w)
+  for got, want in zip(grads(jls.autocast(f, jnp.bfloat16, fp8=recipe), x, w), expected,
+                       strict=True):
+    assert 0.01 < relative_error(got, want) < limit
+
+
+def test_rowwise_scales_are_powers_of_two_rounded_down():
+  amax = jnp.array([1.0, 3.0, 1e-30, 448.0, 0.0, jnp.inf])
+  factor = np.asarray(_fp8.scale(amax, E4M3, power_of_two=True))
+  np.testing.assert_array_equal(factor, [256.0, 128.0, 2.0 ** 108, 1.0, 1.0, 1.0])
+
+
+def test_a_zero_or_non_finite_amax_gives_scale_one_and_a_tiny_one_a_finite_scale():
+  factor = _fp8.scale(jnp.array([0.0, jnp.inf, jnp.nan, 1e-40]), E4M3, power_of_two=False)
+  np.testing.assert_array_equal(np.asarray(factor)[:3], [1.0, 1.0, 1.0])
+  assert np.isfinite(factor[3])
+
+
+def test_current_scaling_never_saturates():
+  values, _ = _fp8.scaled(BIG_X * 3.7, E4M3, (1,), jls.Float8Recipe.from_name("tensorwise"))
+  assert float(jnp.max(jnp.abs(values))) <= 448.0
+
+
+def test_a_matmul_of_zeros_is_zero():
+  out = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="tensorwise")(jnp.zeros((32, 64)), W)
+  np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_non_finite_operand_gives_a_non_finite_product_and_the_next_call_is_exact_again(recipe):
+  f = jax.jit(jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8=recipe))
+  assert not np.all(np.isfinite(f(X.at[0, 0].set(jnp.inf), W)))
+  assert relative_error(f(X, W), X @ W) < 0.05
+
+
+# --- composition -----------------------------------------------------------------------
+
+
+def assert_fp8_gradients_close(fun, *args, limit=0.25):
+  """float8 gradients within `limit` of float32's: float8's error (0.04-0.06 per matmul,
+  pinned above) compounds over layers, and a bias's gradient sums cancelling terms."""
+  expected = grads(fun, *args)
+  got = grads(jls.autocast(fun, jnp.bfloat16, fp8="tensorwise"), *args)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    assert g.dtype == e.dtype
+    assert relative_error(g, e) < limit
+  summary = jls.precision_summary(jls.autocast(fun, jnp.bfloat16, fp8="tensorwise"), *args)
+  assert summary.count("dot_general", E4M3) >= 1
+  assert summary.count("dot_general", E5M2, backward=True) >= 2
+
+
+def test_fp8_under_vmap():
+  xs = jnp.stack([X, 2 * X])
+  assert_fp8_gradients_close(lambda xs, w: jnp.sum(jax.vmap(lambda x: (x @ w) * C)(xs)), xs, W)
+
+
+def test_vmap_of_an_fp8_function():
+  xs = jnp.stack([X, X / 3])
+  f = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="rowwise")
+  out = jax.vmap(f, in_axes=(0, None))(xs, W)
+  assert relative_error(out, jnp.einsum("bij,jk->bik", xs, W)) < 0.05
+
+
+def test_fp8_inside_a_scan():
+  def f(x, w):
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)
+    return jnp.sum(h * X[:, :1])
+
+  assert_fp8_gradients_close(f, X, jax.random.normal(KEYS[3], (64, 64)) / 8)
+
+
+def test_fp8_inside_a_cond_and_a_checkpoint():
+  def f(x, w):
+    h = jax.checkpoint(lambda x: jnp.tanh(x @ w))(x)
+    return jnp.sum(lax.cond(jnp.sum(x) > -1e9, lambda h: h * C, lambda h: -h * C, h))
+
+  assert_fp8_gradients_close(f, X, W)
+
+
+def test_fp8_with_a_flax_linen_model():
+  model = linen.Sequential([linen.Dense(64), linen.relu, linen.Dense(48)])
+  params = model.init(KEYS[3], X)
+  assert_fp8_gradients_close(lambda p, x: jnp.sum(model.apply(p, x) * C), params, X)
+
+
+def test_fp8_with_a_flax_nnx_model():
+  model = nnx.Linear(64, 48, rngs=nnx.Rngs(0))
+  f = jls.autocast(lambda m, x: jnp.sum(m(x) * C), jnp.bfloat16, fp8="tensorwise")
+  got = jax.tree.leaves(nnx.grad(f)(model, X))
+  expected = jax.tree.leaves(nnx.grad(lambda m, x: jnp.sum(m(x) * C))(model, X))
+  for g, e in zip(got, expected, strict=True):
+    assert g.dtype == F32
+    assert relative_error(g, e) < 0.08
+
+
+def test_fp8_with_an_equinox_model():
+  model = eqx.nn.MLP(64, 48, 64, 1, key=KEYS[3])
+  f = lambda m, x: jnp.sum(jax.vmap(m)(x) * C)
+  got = eqx.filter_grad(jls.autocast(f, jnp.bfloat16, fp8="rowwise"))(model, X)
+  expected = eqx.filter_grad(f)(model, X)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    assert relative_error(g, e) < 0.25  # two layers (see assert_fp8_gradients_close)
+
+
+def fp8_grads_at_scale(scale_value):
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(scale_value))
+  grad_fn = jls.scaled_value_and_grad(jls.autocast(loss, jnp.bfloat16, fp8="tensorwise"),
+                                      argnums=(0, 1))
+  _, scaled = jax.jit(grad_fn)(tx.init((X, W)), X, W)
+  return jax.tree.map(lambda g: g / scale_value, scaled)
+
+
+def test_a_power_of_two_loss_scale_leaves_the_fp8_gradients_unchanged():
+  for got, want in zip(fp8_grads_at_scale(2.0 ** 15), fp8_grads_at_scale(1.0), strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_overflowed_fp8_step_is_skipped_and_the_next_one_applies():
+  tx = jls.loss_scaling(optax.sgd(1e-3))
+  grad_fn = jls.scaled_value_and_grad(jls.autocast(loss, jnp.bfloat16, fp8="tensorwise"),
+                                      argnums=1)
+
+  @jax.jit
+  def step(w, opt_state, x):
+    value, g = grad_fn(opt_state, x, w)
+    w, opt_state = tx.apply_gradients(g, opt_state, w, loss=value)
+    return w, opt_state
+
+  opt_state = tx.init(W)
+  w, opt_state = step(W, opt_state, X.at[3, 5].set(jnp.inf))
+  assert int(jls.metrics(opt_state)["skipped_steps"]) == 1
+  np.testing.assert_array_equal(w, W)
+  w, opt_state = step(w, opt_state, X)
+  assert int(jls.metrics(opt_state)["skipped_steps"]) == 1
+  assert np.all(np.isfinite(w)) and not np.array_equal(w, W)
+
+
+# --- refused arguments -------------------------------------------------------------------
+
+
+def test_an_unknown_recipe_is_refused_naming_fp8():
+  with pytest.raises(ValueError, match="`fp8`.*'columnwise'"):
+    jls.autocast(loss, jnp.bfloat16, fp8="columnwise")
+
+
+def test_an_fp8_argument_of_another_type_is_refused():
+  with pytest.raises(TypeError, match="`fp8`.*True"):
+    jls.autocast(loss, jnp.bfloat16, fp8=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, "float8_e5m2"])
+def test_a_float8_compute_dtype_is_refused(dtype):
+  with pytest.raises(ValueError, match="`compute_dtype`.*float8"):
+    jls.autocast(loss, dtype, fp8="tensorwise")
+
+
+@pytest.mark.parametrize("argument", ["lhs_format", "rhs_format", "grad_format"])
+def test_a_format_that_is_not_float8_is_refused_naming_it(argument):
+  with pytest.raises(ValueError, match=f"`{argument}`.*bfloat16"):
+    jls.Float8Recipe(**{argument: jnp.bfloat16})
+
+
+def test_an_unknown_granularity_is_refused():
+  with pytest.raises(ValueError, match="`granularity`.*'column'"):
+    jls.Float8Recipe(granularity="column")
+
+
+def test_a_min_size_that_is_not_a_positive_int_is_refused():
+  with pytest.raises(ValueError, match="`min_size`.*0"):
+    jls.Float8Recipe(min_size=0)
+
+
+def test_the_named_recipes_are_torchaos():
+  tensorwise, rowwise = map(jls.Float8Recipe.from_name, RECIPES)
+  assert (tensorwise.granularity, tensorwise.lhs_format, tensorwise.rhs_format,
+          tensorwise.grad_format, tensorwise.power_of_two_scales) == (
+              "tensor", E4M3, E4M3, E5M2, False)
+  assert (rowwise.granularity, rowwise.lhs_format, rowwise.rhs_format, rowwise.grad_format,
+          rowwise.power_of_two_scales) == ("row", E4M3, E4M3, E4M3, True)

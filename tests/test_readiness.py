@@ -1,0 +1,117 @@
+"""`diagnostics.fp8_readiness`: every count recounted by brute force over the same tensors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_lossscale as jls
+
+KEYS = jax.random.split(jax.random.key(1), 3)
+# Rows 0-7 of the activations are 1e-4 of the rest; columns 0-3 of the gradient 1e-5.
+X = jax.random.normal(KEYS[0], (64, 128)).at[:8].multiply(1e-4)
+W = jax.random.normal(KEYS[1], (128, 64)) / 10
+C = jax.random.normal(KEYS[2], (64, 64)).at[:, :4].multiply(1e-5)
+LARGEST = {"tensorwise": (448.0, 57344.0), "rowwise": (448.0, 448.0)}  # forward, gradient
+FORMAT = {448.0: ml_dtypes.float8_e4m3fn, 57344.0: ml_dtypes.float8_e5m2}
+
+
+def loss(x, w):
+  return jnp.sum((x @ w) * C)
+
+
+@pytest.fixture(scope="module")
+def report():
+  return jls.diagnostics.fp8_readiness(loss, X, W)
+
+
+def row(report, tensor):
+  [found] = [r for r in report.rows if r.tensor == tensor]
+  return found
+
+
+def recount(tensor, largest, axis, power_of_two):
+  """`(flushed, saturated)` of `tensor` (float32 values of bfloat16 numbers) scaled to
+  `largest` per tensor (`axis` None) or along `axis`, counted value by value."""
+  amax = np.max(np.abs(tensor), axis=axis, keepdims=True).astype(np.float32)
+  factor = np.minimum(np.float32(largest) / amax, np.finfo(np.float32).max)
+  if power_of_two:
+    factor = np.float32(2.0) ** (np.frexp(factor)[1] - 1).astype(np.float32)
+  factor = np.where(amax * factor > largest, factor / 2 if power_of_two else np.nextafter(
+      factor, np.float32(0)), factor).astype(np.float32)
+  values = tensor * factor
+  quantized = values.astype(FORMAT[largest]).astype(np.float32)
+  return int(np.sum((values != 0) & (quantized == 0))), int(np.sum(~(np.abs(values) <= largest)))
+
+
+def bfloat16(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("tensor, values, axis, which", [
+    ("lhs", X, 1, 0), ("rhs", W, 0, 0), ("gradient for lhs", C, 1, 1),
+    ("gradient for rhs", C, 0, 1)])
+def test_flushed_and_saturated_counts_equal_a_brute_force_recount(report, recipe, tensor, values,
+                                                                  axis, which):
+  found = row(report, tensor)
+  rowwise = recipe == "rowwise"
+  flushed, saturated = recount(bfloat16(values), LARGEST[recipe][which],
+                               axis if rowwise else None, rowwise)
+  assert (found.flushed[recipe], found.saturated[recipe]) == (flushed, saturated)
+  assert found.size == values.size
+  assert found.flushed_fraction(recipe) == flushed / values.size
+  assert found.amax == float(np.max(np.abs(bfloat16(values))))
+
+
+def test_the_small_rows_and_columns_are_flushed_per_tensor_and_kept_per_row(report):
+  assert row(report, "lhs").flushed["tensorwise"] > 0
+  assert row(report, "lhs").flushed["rowwise"] == 0
+  assert row(report, "gradient for lhs").flushed["tensorwise"] == 0  # e5m2 reaches 2**-16
+
+
+def test_the_forward_error_is_the_float8_products_against_compute_dtypes(report):
+  x, w = bfloat16(X), bfloat16(W)
+  amax_x, amax_w = np.max(np.abs(x)), np.max(np.abs(w))
+  dequantize = lambda v, amax: (v * np.float32(448 / amax)).astype(
+      ml_dtypes.float8_e4m3fn).astype(np.float32) / np.float32(448 / amax)
+  approximate = dequantize(x, amax_x) @ dequantize(w, amax_w)
+  reference = x @ w
+  rows = np.linalg.norm(approximate - reference, axis=1) / np.linalg.norm(reference, axis=1)
+  expected = np.sqrt(np.mean(rows ** 2))
+  np.testing.assert_allclose(row(report, "lhs").error["tensorwise"], expected, rtol=1e-3)
+  assert row(report, "rhs").error == row(report, "lhs").error
+
+
+def test_rowwise_is_recommended_where_tensorwise_flushes_a_row_and_tensorwise_elsewhere():
+  outlier = jls.diagnostics.fp8_readiness(loss, X.at[9].multiply(1e5), W)
+  plain = jls.diagnostics.fp8_readiness(loss, X.at[:8].multiply(1e4), W)
+  assert outlier.recommended() == {0: "rowwise"}
+  assert plain.recommended() == {0: "tensorwise"}
+
+
+def test_no_recipe_is_recommended_below_float8s_own_error():
+  assert jls.diagnostics.fp8_readiness(loss, X, W, error_limit=0.001).recommended() == {0: None}
+
+
+def test_a_matmul_float8_would_not_take_is_not_listed():
+  report = jls.diagnostics.fp8_readiness(lambda x, w: jnp.sum((x[:, :40] @ w[:40]) ** 2), X, W)
+  assert report.rows == ()
+
+
+def test_a_matmul_in_a_loop_is_counted_at_every_iteration():
+  def f(x, w):
+    h, _ = lax.scan(lambda h, _: (h @ w @ w.T, None), x, None, length=3)
+    return jnp.sum(h)
+
+  report = jls.diagnostics.fp8_readiness(f, X, W)
+  assert [r.size for r in report.rows if r.tensor == "lhs"] == [3 * X.size, 3 * X.size // 2]
+
+
+def test_the_report_prints_one_line_per_tensor(report):
+  lines = str(report).splitlines()
+  assert len(lines) == 1 + 4
+  assert "gradient for rhs" in lines[-1]
+  assert lines[-1].endswith("tensorwise") or lines[-1].endswith("rowwise")
