@@ -528,11 +528,12 @@ class Operation:
     """Its name scope (`jax.named_scope`s, flax's module paths), "" if none."""
     if _source_info is None:  # pragma: no cover
       return ""
-    return str(_source_info.current_name_stack() + self.eqn.source_info.name_stack)
+    return str(_source_info.current_name_stack())  # `evaluate` runs it in its scope
 
   def in_scope(self) -> contextlib.AbstractContextManager:
-    """A context in which what is traced takes its name scope and source, as `bind`'s."""
-    return _source_of(self.eqn)
+    """A context in which what is traced takes its name scope and source, as `bind`'s:
+    `evaluate` runs each operation in it already."""
+    return contextlib.nullcontext()
 
   def bind(self, operands: list, **params: Any) -> list:
     """Its results on `operands`, with `params` replacing its parameters of those names
