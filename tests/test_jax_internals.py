@@ -391,17 +391,20 @@ def test_a_private_jax_name_that_moved_warns_once_naming_what_stops_working(
   assert all(name in str(warning.message) for name in names)
 
 
-def test_an_operation_tells_its_name_scope_and_traces_in_it():
+def test_an_operation_run_by_evaluate_tells_its_name_scope_and_what_it_traces_takes_it():
   def f(x):
     with jax.named_scope("layer_1"):
       return jnp.tanh(x)
 
   program, _ = internals.trace(f, [jnp.ones(2)])
-  [op] = [internals.Operation(e) for e in internals.equations(program)]
+  scopes = []
 
-  def rerun(x):
+  def run(op, operands):
+    scopes.append(op.name_scope)
     with op.in_scope():
-      return jnp.sin(x)
+      return [jnp.sin(operands[0])]
 
-  assert op.name_scope == "layer_1"
-  assert "layer_1/sin" in jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)
+  rerun = lambda x: internals.evaluate(program, [x], run)
+  text = jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)
+  assert scopes == ["layer_1"]
+  assert "layer_1/sin" in text
