@@ -112,7 +112,8 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
   where.
 
   `fun` is traced on every call, as `jax.jit` traces it (Python control flow on array
-  values is not possible), then run operation by operation: call the result under
+  values is not possible: the error names `fun`, its line and the arguments the value
+  depends on, as `jax.jit`'s does), then run operation by operation: call the result under
   `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
   flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
   A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
