@@ -43,7 +43,8 @@ outputs of a loop body, a branch, a jitted function, a `checkpoint`, a custom de
 rule's function and a `shard_map` are cast back to their traced dtypes, and the programs
 inside are autocast in turn (the custom rules themselves run as the user wrote them). A
 primitive holding programs that `autocast` does not know (a `pallas_call`), and a call to
-foreign code (`ffi_call`), runs at its traced precision, with a warning naming it.
+foreign code (`ffi_call`), runs at its traced precision, with a warning naming it at the
+user's line that calls it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   where.
 
   `fun` is traced on every call, as `jax.jit` traces it (Python control flow on array
-  values is not possible), then run operation by operation: call the result under
+  values is not possible: the error names `fun`, its line and the arguments the value
+  depends on, as `jax.jit`'s does), then run operation by operation: call the result under
   `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
   flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
   A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
@@ -149,8 +151,7 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
     leaves, rebuild = _trees.copier((args, kwargs))
-    traced_leaves = tuple(i for i, leaf in enumerate(leaves) if _is_array(leaf))
-    arrays = [leaves[i] for i in traced_leaves]
+    arrays = [leaf for leaf in leaves if _is_array(leaf)]
 
     def traced(*new_arrays):
       refill = iter(new_arrays)
@@ -158,7 +159,7 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
       return fun(*copy[0], **copy[1]), _nnx_state(copy)
 
     # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
-    named = internals.Named("autocast", fun, args, kwargs, traced_leaves)
+    named = internals.Named("autocast", fun, args, kwargs, tuple(arrays))
     program, out_tree = internals.trace(traced, arrays, named)
     interpreter = _Interpreter(dtype, fp8=recipe)
     out, state = jax.tree.unflatten(out_tree, interpreter.run_program(program, arrays))
@@ -377,13 +378,16 @@ class PrecisionSummary:
 
   def locations(self, primitive: str, dtype: Any, backward: bool = False) -> dict[Location, int]:
     """Where `primitive` ran in `dtype` in the forward (or backward) pass: each `Location`
-    (name scope, file, line, function) with how many times it ran there, in the order of
-    the program. A backward operation is located where the operation it differentiates
-    was written."""
+    (a named tuple: `scope`, `file`, `line`, `function`) with how many times it ran
+    there, in the order of the program. A backward operation is located where the
+    operation it differentiates was written."""
     name = np.dtype(dtype).name
-    return {site.location: site.backward if backward else site.forward for site in self.sites
-            if (site.primitive, site.dtype) == (primitive, name)
-            and (site.backward if backward else site.forward)}
+    found = {}
+    for site in self.sites:
+      count = site.backward if backward else site.forward
+      if (site.primitive, site.dtype) == (primitive, name) and count:
+        found[site.location] = count
+    return found
 
   def __str__(self) -> str:
     width = max([len(p) for p, *_ in self.rows] + [9])
@@ -446,7 +450,8 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
     a, k = rebuild(filled)
     return [out for out in jax.tree.leaves(fun(*a, **k)) if _is_floating(out)]
 
-  shapes = jax.eval_shape(forward, [leaves[i] for i in wrt])
+  named = internals.Named("precision_summary", fun, args, kwargs, tuple(leaves[i] for i in wrt))
+  shapes = jax.eval_shape(internals.with_names(forward, named), [leaves[i] for i in wrt])
 
   def forward_and_backward(arrays, cotangents):
     _, pullback = jax.vjp(forward, arrays)

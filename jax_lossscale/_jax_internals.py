@@ -31,8 +31,8 @@ What is read, and why:
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
   private), for `autocast` and its precision summary; `trace` names the user's function
-  and arguments in JAX's errors (`jax.api_util.debug_info`, read by `jax.make_jaxpr`
-  through the function's `__fun_debug_info__`, private).
+  and arguments in JAX's errors (`with_names`: `jax.api_util.debug_info`, read by JAX's
+  tracing through the function's `__fun_debug_info__`, private).
 - `Source`, `Operation.source`: where an operation was written, its name scope and the
   user's line, from the equation's `source_info` (`source_info_util`'s frames, private).
 - `not_reverse_differentiable`: whether an error means that a program cannot be
@@ -60,6 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import api_util as _api_util
 from jax.extend import core as _core
 from jax.extend import linear_util as _linear_util
 
@@ -403,22 +404,22 @@ def _value_type(atom: Any) -> ValueType:
 
 @dataclasses.dataclass(frozen=True)
 class Named:
-  """How JAX's errors name a traced function: the user's function, called with
-  `args` and `kwargs`, of which `leaves` (in the order of `jax.tree.leaves((args,
-  kwargs))`) are traced.
+  """How JAX's errors name a traced function: the user's function, called with `args`
+  and `kwargs`, of whose leaves `traced` are traced.
 
   Attributes:
     traced_for: what traces it (JAX's errors say "while tracing ... for `traced_for`").
     fun: the user's function: its name and line.
     args: its positional arguments.
     kwargs: its keyword arguments.
-    leaves: the positions of the traced leaves among `(args, kwargs)`'s.
+    traced: the leaves of `(args, kwargs)` that are traced, in the order the traced
+      function takes them (flax NNX modules' arrays as their state's leaves).
   """
   traced_for: str
   fun: Callable[..., Any]
   args: tuple
   kwargs: dict
-  leaves: tuple[int, ...]
+  traced: tuple
 
 
 def trace(fun: Callable[..., Any], args: list, named: Named | None = None
@@ -430,23 +431,33 @@ def trace(fun: Callable[..., Any], args: list, named: Named | None = None
   and its positions in `args`.
   """
   if named is not None:
-    fun = _named(fun, named)
+    fun = with_names(fun, named)
   program, shapes = jax.make_jaxpr(fun, return_shape=True)(*args)
   return program, jax.tree.structure(shapes)
 
 
-def _named(fun: Callable[..., Any], named: Named) -> Callable[..., Any]:
-  """`fun`, which `jax.make_jaxpr` traces under `named`'s names: JAX's tracing reads a
-  function's debug information from `__fun_debug_info__` (private, both JAX versions)."""
-  info = jax.api_util.debug_info(named.traced_for, named.fun, named.args, named.kwargs)
+def with_names(fun: Callable[..., Any], named: Named) -> Callable[..., Any]:
+  """`fun`, which JAX's tracing (`jax.make_jaxpr`, `jax.eval_shape`) names as `named`
+  says in its errors: it reads a function's debug information from `__fun_debug_info__`
+  (private, both JAX versions). Each traced leaf is named by its path in the user's
+  arguments (`params['w']`); none is named where one is not a leaf of them."""
+  info = _api_util.debug_info(named.traced_for, named.fun, named.args, named.kwargs)
+  flat = jax.tree.leaves((named.args, named.kwargs))
+  position = {}
+  for i, leaf in enumerate(flat):
+    position.setdefault(id(leaf), i)
   names = info.arg_names
-  if names is not None and len(names) == len(jax.tree.leaves((named.args, named.kwargs))):
-    names = tuple(names[i] for i in named.leaves)
-  else:  # leaves that JAX does not flatten as `jax.tree` does (flax NNX modules' state)
+  if (names is not None and len(names) == len(flat)
+      and all(id(leaf) in position for leaf in named.traced)):
+    names = tuple(names[position[id(leaf)]] for leaf in named.traced)
+  else:
     names = None
-  wrapped = functools.wraps(fun)(lambda *args: fun(*args))
-  wrapped.__fun_debug_info__ = info._replace(arg_names=names)
-  return wrapped
+
+  def named_fun(*args):
+    return fun(*args)
+
+  named_fun.__fun_debug_info__ = info._replace(arg_names=names)
+  return named_fun
 
 
 def output_types(program: Program) -> tuple[ValueType, ...]:

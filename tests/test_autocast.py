@@ -383,6 +383,15 @@ def test_a_function_that_cannot_be_traced_is_named_with_its_arguments_as_jit_nam
   assert "new_arrays" not in str(error.value)
 
 
+def test_the_summary_of_a_function_that_cannot_be_traced_names_it_and_its_arguments():
+  def branchy(params, x):
+    return x if jnp.sum(x @ params["w"]) > 0 else -x
+
+  with pytest.raises(jax.errors.TracerBoolConversionError,
+                     match=r"branchy at .* arguments params\['w'\] and x"):
+    summary(branchy, {"w": W}, X)
+
+
 @pytest.mark.parametrize("fun", [3, None])
 def test_a_fun_that_is_not_callable_is_refused_at_once_naming_it(fun):
   with pytest.raises(TypeError, match=f"`fun`.*{fun}"):

@@ -332,10 +332,13 @@ def test_a_traced_function_is_named_in_tracing_errors_by_the_users_function_and_
   def user(params, scale):
     return params
 
-  named = internals.Named("autocast", user, ({"w": jnp.ones(2)}, 3), {}, (0,))
+  w = jnp.ones(2)
+  named = internals.Named("autocast", user, ({"w": w}, 3), {}, (w,))
   with pytest.raises(jax.errors.TracerBoolConversionError,
                      match=r"function user at .* for autocast.* argument params\['w'\]"):
-    internals.trace(lambda w: w if w[0] > 0 else -w, [jnp.ones(2)], named)
+    internals.trace(lambda w: w if w[0] > 0 else -w, [w], named)
+
+
 def test_a_class_registered_again_under_its_name_replaces_the_first_for_jax_export():
   from jax import export
 
