@@ -65,7 +65,14 @@ class MeasuredLossScale(LossScale):
 
   Args:
     initial_loss_scale: the first scale (before anything is measured).
-    margin: doublings of headroom kept below `max_value` (>= 0).
+    margin: doublings of headroom kept below `max_value` (>= 0). The default, 2, is
+      for gradient maxima that jump from step to step: with maxima that vary
+      log-normally (sigma 1) by the step, margin 0 skips about one step in 33, where
+      the next maximum beats the last `history` steps' by more than the rounding to a
+      power of two; margin 2 skips no more than `DynamicLossScale` does. Margin 0
+      keeps the scale as high as the measurements allow (two doublings more of small
+      gradients' bits), for gradients whose maxima move smoothly (the MLP demo's):
+      `benchmarks/margins.py` gives each margin's cost on both kinds.
     history: how many steps' maxima the scale respects (>= 1).
     dtype: the compute dtype whose largest value bounds the gradients: "float16" (the
       default) or a float8 type (others need no loss scale); its name is kept, so the
@@ -84,7 +91,7 @@ class MeasuredLossScale(LossScale):
   """
 
   initial_loss_scale: float = 2.0**15
-  margin: int = 0
+  margin: int = 2
   history: int = 16
   dtype: str = "float16"
   min_loss_scale: float = 1.0

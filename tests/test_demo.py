@@ -35,7 +35,7 @@ def runs():
 @pytest.fixture(scope="module")
 def long_runs():
   return train_all({"dynamic": (jnp.float16, jls.DynamicLossScale(increment_period=10)),
-                    "measured": (jnp.float16, jls.MeasuredLossScale())}, LONG)
+                    "measured": (jnp.float16, jls.MeasuredLossScale(margin=0))}, LONG)
 
 
 def train_all(plan, config=CONFIG):
@@ -91,10 +91,11 @@ def test_demo_runs_end_to_end_and_writes_a_plot(tmp_path, capsys):
 def test_each_kind_of_run_has_one_colour_and_line_style_in_every_plot_of_both_demos():
   from jax_lossscale.demo import transformer
 
-  names = ["float16, FixedLossScale(32768)", "float16, MeasuredLossScale()",
+  names = ["float16, FixedLossScale(32768)", "float16, MeasuredLossScale(margin=0)",
            *(name for name, *_ in transformer.plan())]
   looks = {name: tuple(sorted(demo.run_style(name).items())) for name in names}
-  assert looks["float16, MeasuredLossScale()"] == looks["float16, MeasuredLossScale(margin=1)"]
+  assert looks["float16, MeasuredLossScale(margin=0)"] == looks[
+      "float16, MeasuredLossScale(margin=1)"]
   assert len(set(looks.values())) == 6, looks
   with pytest.raises(ValueError, match="RUN_STYLES"):
     demo.run_style("bfloat16, a run no plot knows")
