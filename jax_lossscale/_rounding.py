@@ -144,7 +144,8 @@ def stochastic(exact: jax.Array, old: jax.Array, counter: jax.Array, salt: int, 
   for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
     seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
   value_bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
-  bits = _mix(_mix(_positions(exact.shape) + seed) ^ value_bits)
+  # A bijection of uniform bits: still uniform, and other where the values differ.
+  bits = _mix(_positions(exact.shape) + seed) ^ value_bits
   if jnp.dtype(dtype) == jnp.bfloat16:
     # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
     # carry into it with probability equal to the distance to the next bfloat16.
