@@ -23,6 +23,7 @@ from jax_lossscale import _eager
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
+from jax_lossscale import _rounding
 from jax_lossscale import _serialization
 from jax_lossscale import _trees
 from jax_lossscale import _validation
@@ -82,8 +83,15 @@ class LossScalingState(NamedTuple):
       last step's unscaled gradients (before any clipping), float32
       (float64 for float64 gradients), also on a skipped step: inf or NaN when they
       overflowed, NaN before any step; else None.
+    compensation: with `loss_scaling(..., rounding="compensated")`, the compensation
+      buffers: for each parameter narrower than float32 an array of its dtype and shape
+      holding what the last write rounded away (`None` for the other leaves); else None.
+    rounding_counter: with `loss_scaling(..., rounding="stochastic")`, a uint32 scalar,
+      the applied steps counted for the stochastic rounding's bits (a skipped step leaves
+      it as it was); else None.
 
-  A checkpoint written before the counts had names restores with `restore_state`.
+  A checkpoint written before the counts had names, or by another configuration, restores
+  with `restore_state`.
   """
 
   loss_scale: LossScale
@@ -92,6 +100,8 @@ class LossScalingState(NamedTuple):
   last_applied: jax.Array
   last_loss_scale: jax.Array | None = None
   grad_norm: jax.Array | None = None
+  compensation: Any = None
+  rounding_counter: jax.Array | None = None
 
   def count(self, name: str) -> jax.Array:
     """The count called `name` (one of `COUNTS`, the fields of `StepCounts`), an int32
@@ -154,7 +164,7 @@ class LossScalingState(NamedTuple):
 
 # The fields a checkpoint may lack (of another configuration, or written before they
 # existed): `restore_state` takes them from its target, as `init` makes them.
-RESTARTED = ("grad_norm",)
+RESTARTED = ("grad_norm", "compensation", "rounding_counter")
 
 jax.export.register_namedtuple_serialization(
     StepCounts, serialized_name="jax_lossscale.StepCounts")
@@ -527,13 +537,15 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     """
     return apply_gradients(self, grads, state, params, *args, **extra_args)
 
-  def wrap_state(self, inner_state: optax.OptState) -> LossScalingState:
+  def wrap_state(self, inner_state: optax.OptState, params: Any = None) -> LossScalingState:
     """A fresh `LossScalingState` around an existing state of the inner transformation.
 
     For a run checkpointed without loss scaling that resumes with it; the way back is
-    `state.inner_state`.
+    `state.inner_state`. With `rounding="compensated"`, `params` gives the compensation
+    buffers' shapes and dtypes (they start at zero); with `state_dtype`, the inner state
+    is cast to it.
     """
-    return self.update.wrap_state(inner_state)
+    return self.update.wrap_state(inner_state, params)
 
 
 def apply_gradients(tx, grads, state, params, *args, **extra_args):
@@ -551,6 +563,8 @@ def loss_scaling(
     axis_name: _finite.AxisName = None,
     clip_by_global_norm: float | None = None,
     grad_norm: bool = False,
+    rounding: str = "nearest",
+    state_dtype: Any = None,
 ) -> LossScalingTransformation:
   """Wraps `inner` so that it receives unscaled gradients and skips overflowed steps.
 
@@ -610,6 +624,23 @@ def loss_scaling(
       norms (one more scalar collective), so every replica keeps the same state: the
       global norm where the gradients are averaged before the step.
       `unscale(grads, opt_state)` gives the gradients themselves.
+    rounding: for parameters narrower than float32 (bfloat16 on TPU, without float32
+      master weights), how `apply_gradients` writes them: `"nearest"` (the default, as
+      `optax.apply_updates`: an update below half a unit in the last place, 2**-9 at 1.0
+      in bfloat16, is lost), `"stochastic"` (rounded up or down with probability
+      proportional to the distance, independently per entry: the expected parameter is
+      the exact sum) or `"compensated"` (Kahan summation: a buffer of each such
+      parameter's dtype, in the state, keeps what the write rounded away and adds it
+      back at the next step). float32 parameters are written as they are. `update`
+      returns updates, which `optax.apply_updates` would round to nearest: with
+      `"stochastic"` or `"compensated"` it refuses parameters narrower than float32
+      (and `params=None`); use `apply_gradients`. See docs/bfloat16.md.
+    state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
+      moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
+      momentum; not scalars such as injected hyperparameters, nor integer counts) are
+      kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step;
+      its new state is written with `rounding="stochastic"` stochastically, else to
+      nearest. None (the default) keeps the optimizer's own dtypes.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
@@ -617,7 +648,8 @@ def loss_scaling(
 
   Raises:
     TypeError: if `inner` is not an optax transformation, or already a `loss_scaling`.
-    ValueError: for a bad `loss_scale`, `clip_by_global_norm` or `grad_norm`.
+    ValueError: for a bad `loss_scale`, `clip_by_global_norm`, `grad_norm`, `rounding`
+      or `state_dtype`.
   """
   _check_inner(inner)
   initial = _serialization.parse(loss_scale, "loss_scale")
@@ -629,7 +661,9 @@ def loss_scaling(
   if not isinstance(grad_norm, bool):
     raise ValueError(f"`grad_norm` must be True or False, got {grad_norm!r}.")
   _finite.axis_tuple(axis_name)  # refused here, not at the first step
-  step = _Step(inner, initial, axis_name, max_norm, grad_norm)
+  rounding = _rounding.check_rounding(rounding)
+  state_dtype = _rounding.check_state_dtype(state_dtype)
+  step = _Step(inner, initial, axis_name, max_norm, grad_norm, rounding, state_dtype)
   return LossScalingTransformation(step.init, step)
 
 
@@ -651,30 +685,42 @@ class _Step:
     `(updates, new_state)`; the updates are `-0.0` on a skipped step.
   """
 
-  def __init__(self, inner, initial: LossScale, axis_name, max_norm, norm: bool = False):
+  def __init__(self, inner, initial: LossScale, axis_name, max_norm, norm: bool = False,
+               rounding: str = "nearest", state_dtype: Any = None):
     self.inner, self.initial = inner, initial  # `inner` as given: `tx.inner`
     self._inner = optax.with_extra_args_support(inner)
     self.axis_name, self.max_norm, self.norm = axis_name, max_norm, norm
+    self.rounding, self.state_dtype = rounding, state_dtype
     self._eager_step = _eager.CompiledBySignature(self._traced_step)
 
   def init(self, params) -> LossScalingState:
     """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""
-    return self.wrap_state(self._inner.init(_trees.partition(params)[0]))
+    return self.wrap_state(self._inner.init(_trees.partition(params)[0]), params)
 
-  def wrap_state(self, inner_state) -> LossScalingState:
+  def wrap_state(self, inner_state, params=None) -> LossScalingState:
     nested = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScalingState))
     if any(isinstance(x, LossScalingState) for x in nested):
       raise TypeError(
           "loss_scaling: the inner optimizer state already contains a loss_scaling state "
           "(a loss_scaling inside the optimizer, or a LossScalingState given to wrap_state); "
           "wrapping it again would unscale the gradients twice.")
+    compensation = None
+    if self.rounding == "compensated":
+      if params is None:
+        raise TypeError("wrap_state: with rounding='compensated', `params` must be the "
+                        "parameters (their compensation buffers start at zero), got None.")
+      compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
+    inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
         counts=StepCounts(*(jnp.zeros([], jnp.int32) for _ in COUNTS)),
         last_applied=jnp.ones([], jnp.bool_),
         last_loss_scale=jnp.array(self.initial()),
-        grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None)
+        grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None,
+        compensation=compensation,
+        rounding_counter=(jnp.zeros([], jnp.uint32) if self.rounding == "stochastic"
+                          else None))
 
   def __call__(self, updates, state, params=None, *args, loss=None, probes=None,
                **extra_args):
@@ -690,6 +736,8 @@ class _Step:
 
   def _step(self, grads, state, params, loss, probes, extra_args, apply):
     self._check_state(state)
+    if not apply:
+      self._check_update_rounding(params)
     _check_update_keywords(extra_args)
     _check_grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
@@ -709,7 +757,8 @@ class _Step:
                   else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
       try:
         updates, inner_state = self._inner.update(
-            _trees.rescale_floats(grads, decision.unscaling), state.inner_state, arrays,
+            _trees.rescale_floats(grads, decision.unscaling),
+            _rounding.load_state(state.inner_state, self.state_dtype, self.rounding), arrays,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
         missing = _missing_gradients(grads, params)
@@ -721,20 +770,29 @@ class _Step:
             "loss_scaling: raised by the inner optimizer. If `state` was made by "
             "another optimizer's init, pass this transformation's (tx.init).")
         raise
-      out = _trees.apply_updates(params, updates) if apply else updates
-      return InnerStep(out, inner_state, _narrow_finite(updates, self.axis_name, params,
-                                                        out if apply else None))
+      inner_state = _rounding.store_state(inner_state, state.inner_state, self.state_dtype,
+                                          self.rounding, state.rounding_counter)
+      out, compensation = updates, state.compensation
+      if apply:
+        out, compensation = _rounding.write_params(params, updates, self.rounding,
+                                                   state.compensation, state.rounding_counter)
+      # The compensation buffers travel with the inner state: kept alike on a skipped step.
+      return InnerStep(out, (inner_state, compensation), _narrow_finite(
+          updates, self.axis_name, params, out if apply else None))
 
     static = InnerStep(
         _trees.partition(params if apply else _trees.updates_like(grads, params))[1],
-        _trees.partition(state.inner_state)[1], None)
+        _trees.partition((state.inner_state, state.compensation))[1], None)
     run, shapes = _traced_once(run, static, (grads, state, params, extra_args))
     skipped = params if apply else _trees.combine(
         _trees.negative_zeros_like(shapes.out, like=_trees.partition(grads)[0]), static.out)
-    kept = _trees.cast_like(state.inner_state, shapes.inner_state)
+    kept = (_trees.cast_like(state.inner_state, shapes.inner_state[0]), state.compensation)
     emitted = emit(decision.should_apply, run, skipped, kept)
-    stepped = _optimizer_stepped(state.inner_state, emitted.inner_state)
-    return emitted.out, next_state(state, decision, emitted, stepped)
+    inner_state, compensation = emitted.inner_state
+    emitted = emitted._replace(inner_state=inner_state)
+    stepped = _optimizer_stepped(state.inner_state, inner_state)
+    return emitted.out, next_state(state, decision, emitted, stepped)._replace(
+        compensation=compensation)
 
   def _check_state(self, state: Any) -> None:
     if not isinstance(state, LossScalingState):
@@ -755,6 +813,30 @@ class _Step:
           + " the gradients' norm (grad_norm=True), this one "
           + ("does" if self.norm else "does not")
           + ": pass tx.wrap_state(state.inner_state) to keep the optimizer's state.")
+    for field, rounding in (("compensation", "compensated"), ("rounding_counter", "stochastic")):
+      if (getattr(state, field) is not None) != (self.rounding == rounding):
+        raise ValueError(
+            f"`state` belongs to a loss_scaling with another `rounding` (its `{field}` is "
+            f"{'set' if getattr(state, field) is not None else 'None'}), this one has "
+            f"rounding={self.rounding!r}: restore a checkpoint with jls.restore_state(saved, "
+            "like=tx.init(params)).")
+
+  def _check_update_rounding(self, params: Any) -> None:
+    """`update` returns updates, which `optax.apply_updates` rounds to nearest: refused
+    with another `rounding`, for the parameters it would apply to."""
+    if self.rounding == "nearest":
+      return
+    narrow = [] if params is None else [
+        jax.tree_util.keystr(path) for path, p in jax.tree_util.tree_leaves_with_path(params)
+        if _rounding.is_narrow(p)]
+    if params is None or narrow:
+      what = ("`params` is None" if params is None else
+              f"`params{narrow[0]}` is narrower than float32")
+      raise ValueError(
+          f"loss_scaling(..., rounding={self.rounding!r}): `update` returns updates, which "
+          f"optax.apply_updates would round to nearest, and {what}. Use "
+          "tx.apply_gradients(grads, opt_state, params), which writes the parameters with "
+          "this rounding, or rounding='nearest'.")
 
 
 def _traced_once(run, static, inputs):
@@ -781,12 +863,12 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
   def leaf(p, u, n):
     if u is None or not _trees.is_float(p):
       return None
-    if not _is_narrow_float(p):
-      return u if _is_narrow_float(u) else None
+    if not _rounding.is_narrow(p):
+      return u if _rounding.is_narrow(u) else None
     return jnp.where(jnp.isfinite(p), _trees.apply_updates(p, u) if n is None else n, 0)
 
   if params is None:
-    checked = [x for x in _trees.float_leaves(updates) if _is_narrow_float(x)]
+    checked = [x for x in _trees.float_leaves(updates) if _rounding.is_narrow(x)]
   else:
     if new_params is None:
       new_params = jax.tree.map(lambda _: None, updates)
@@ -795,11 +877,6 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
   if not checked:
     return None
   return _finite.agree([_finite.finite(checked)], axis_name)[0]
-
-
-def _is_narrow_float(x: Any) -> bool:
-  """Whether `x` is a floating array narrower than float32."""
-  return _trees.is_float(x) and _numerics.is_narrow(jnp.result_type(x))
 
 
 def _optimizer_stepped(old: Any, new: Any) -> jax.Array:
@@ -829,8 +906,11 @@ def next_state(state: LossScalingState, decision: Decision, emitted: Emitted,
   counts = StepCounts(*(_counted(count, increment, applied & (name in _STREAKS))
                         for name, count, increment in zip(COUNTS, state.counts, increments,
                                                                 strict=True)))
+  counter = state.rounding_counter
+  if counter is not None:  # the stochastic rounding's bits change with applied steps only
+    counter = jnp.where(applied, counter + jnp.uint32(1), counter)
   return LossScalingState(loss_scale, emitted.inner_state, counts, applied,
-                          state.loss_scale(), decision.grad_norm)
+                          state.loss_scale(), decision.grad_norm, state.compensation, counter)
 
 
 def _counted(count: jax.Array, increment: jax.Array, reset: jax.Array) -> jax.Array:

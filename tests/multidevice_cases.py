@@ -458,3 +458,27 @@ def test_shard_map_and_pmap_bodies_are_autocast():
   np.testing.assert_allclose(grads, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-3)
   pmapped = jax.pmap(jls.autocast(lambda w, x: jnp.tanh(x @ w)), in_axes=(None, 0))(w, x[:, None])
   np.testing.assert_allclose(pmapped[:, 0], jnp.tanh(x @ w), rtol=2e-2, atol=2e-3)
+
+
+def test_stochastic_rounding_draws_equal_bits_for_replicas_and_other_bits_for_shards():
+  # Every shard holds the same values: only the device's index can tell them apart.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  n = 512
+  params = {"replicated": jnp.ones(n, jnp.bfloat16), "sharded": jnp.ones(8 * n, jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, -1e-3, p.dtype), params)
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="stochastic")
+  state = tx.init(params)
+  specs = {"replicated": P(), "sharded": P("data")}
+
+  def step(g, s, p):
+    new = tx.apply_gradients(g, s, p)[0]
+    return new["replicated"][None], new["sharded"]  # each device's copy of the replicated one
+
+  replicas, shards = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(specs, jax.tree.map(lambda _: P(), state), specs),
+      out_specs=(P("data"), P("data"))))(grads, state, params)
+  replicas, shards = np.asarray(replicas, np.float32), np.asarray(shards, np.float32)
+  assert len(np.unique(replicas[0])) == 2  # rounded up here, down there
+  assert all(np.array_equal(row, replicas[0]) for row in replicas)
+  shards = shards.reshape(8, n)
+  assert len({row.tobytes() for row in shards}) == 8

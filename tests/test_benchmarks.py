@@ -28,7 +28,9 @@ def script(name: str):
      "updates unscaled in lax.cond"),
     ("end_to_end", ["--batch", "64", "--hidden", "8", "--reps", "1"], "ratio"),
     ("margins", ["--steps", "50", "--seeds", "1", "--demo-steps", "2", "--margins", "0", "2"],
-     "MeasuredLossScale(margin=2)")])
+     "MeasuredLossScale(margin=2)"),
+    ("bf16_writes", ["--params", "1e3", "--leaves", "2", "--reps", "1"],
+     "bf16 compensated, state bf16")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
   script(name).main(argv)
   assert printed in capsys.readouterr().out

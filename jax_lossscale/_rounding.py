@@ -1,0 +1,182 @@
+"""Writing values narrower than float32: the parameters `apply_gradients` writes and the
+inner optimizer state kept in `state_dtype`, rounded to nearest, stochastically, or with
+a compensation buffer (Kahan summation).
+
+Stochastic rounding's bits are a hash, not a `jax.random` stream: of a counter in the state
+(advanced by applied steps only, so a skipped step leaves it as it was), of the leaf, of
+the entry's position in the array the step sees, of the bits of the entry's exact new value
+and, inside `shard_map`, of the device's index along the axes the parameter varies over.
+Replicas of a replicated parameter (equal values at equal positions, varying over no axis)
+draw equal bits. Shards of a sharded one draw other bits: under `jit` their positions
+differ, under `shard_map` their axis index, under `pmap` (where nothing says which arrays
+are sharded) their values. A few integer operations per entry, fused into the write
+(benchmarks/bf16_writes.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale import _jax_internals
+from jax_lossscale import _numerics
+from jax_lossscale import _trees
+
+ROUNDINGS = ("nearest", "stochastic", "compensated")
+# Salts of the two kinds of leaves written, so a moment and a parameter at the same leaf
+# index draw different bits.
+_PARAMS, _STATE = 0x5A17, 0x0C7E
+
+
+def check_rounding(rounding: Any) -> str:
+  if not isinstance(rounding, str) or rounding not in ROUNDINGS:
+    raise ValueError(f"`rounding` must be one of {', '.join(map(repr, ROUNDINGS))}, got "
+                     f"{rounding!r}.")
+  return rounding
+
+
+def check_state_dtype(state_dtype: Any) -> np.dtype | None:
+  if state_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(state_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError("`state_dtype` must be a floating dtype such as jnp.bfloat16 (or None "
+                     f"to keep the inner optimizer's dtypes), got "
+                     f"{repr(state_dtype) if dtype is None else dtype.name}.")
+  return dtype
+
+
+def is_narrow(x: Any) -> bool:
+  """Whether `x` is a floating array narrower than float32."""
+  return _trees.is_float(x) and _numerics.is_narrow(jnp.result_type(x))
+
+
+def compensation_buffers(arrays: Any) -> Any:
+  """Zeros of each narrow parameter's dtype and shape, `None` for every other leaf."""
+  return jax.tree.map(lambda p: jnp.zeros_like(p) if is_narrow(p) else None, arrays,
+                      is_leaf=lambda x: x is None)
+
+
+def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
+                 counter: jax.Array | None) -> tuple[Any, Any]:
+  """`(new_params, new_compensation)`: `params + updates`, each narrow parameter rounded
+  as `rounding` says (`compensation`: the buffers, or None), other leaves as
+  `optax.apply_updates` gives them."""
+  if rounding == "nearest":
+    return _trees.apply_updates(params, updates), compensation
+  leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+  update_leaves = treedef.flatten_up_to(updates)
+  buffers = (treedef.flatten_up_to(compensation) if compensation is not None
+             else [None] * len(leaves))
+  new, new_buffers = [], []
+  for index, (p, u, c) in enumerate(zip(leaves, update_leaves, buffers, strict=True)):
+    if u is None or not is_narrow(p) or jnp.result_type(u) == jax.dtypes.float0:
+      new.append(_trees.apply_updates(p, u))
+      new_buffers.append(c)
+      continue
+    if rounding == "compensated":  # the buffer holds what the last write rounded away
+      exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
+      written = exact.astype(p.dtype)
+      new_buffers.append((exact - written.astype(jnp.float32)).astype(c.dtype))
+    else:
+      exact = p.astype(jnp.float32) + u.astype(jnp.float32)
+      written = stochastic(exact, p, counter, _PARAMS, index)
+      new_buffers.append(c)
+    new.append(written)
+  compensation = None if compensation is None else treedef.unflatten(new_buffers)
+  return treedef.unflatten(new), compensation
+
+
+def load_state(inner_state: Any, state_dtype: np.dtype | None, rounding: str) -> Any:
+  """The inner state as the optimizer computes with it: with a `state_dtype` or a
+  rounding other than `"nearest"`, its kept arrays narrower than float32 widened to
+  float32 (optax would compute bfloat16 moments in bfloat16, where Adam's 0.999 is 1.0).
+  """
+  if state_dtype is None and rounding == "nearest":
+    return inner_state
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if _kept(x) and is_narrow(x) else x,
+                      inner_state)
+
+
+def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, rounding: str,
+                counter: jax.Array | None) -> Any:
+  """The inner state as it is kept: its floating arrays of one dimension or more (moments,
+  momentum, accumulated gradients) in `state_dtype`, or, without one, in the dtypes of
+  `like` (the state before the step) where those are narrower than float32. Written
+  stochastically with `rounding="stochastic"`, else to nearest (a compensation buffer for
+  the state would cost what wider moments cost). Scalars (injected hyperparameters) keep
+  their dtype. `like=None`: `init`'s state, written to nearest."""
+  if state_dtype is None and (rounding == "nearest" or like is None):
+    return inner_state
+  leaves, treedef = jax.tree.flatten(inner_state)
+  olds = [None] * len(leaves) if like is None else treedef.flatten_up_to(like)
+  stored = []
+  for index, (x, old) in enumerate(zip(leaves, olds, strict=True)):
+    dtype = state_dtype if state_dtype is not None else (
+        old.dtype if old is not None and _kept(old) and is_narrow(old) else None)
+    if _kept(x) and dtype is not None and x.dtype != dtype:
+      if rounding == "stochastic" and _numerics.is_narrow(dtype):
+        x = stochastic(x.astype(jnp.float32), x if old is None else old, counter, _STATE,
+                       index, dtype)
+      else:
+        x = x.astype(dtype)
+    stored.append(x)
+  return treedef.unflatten(stored)
+
+
+def _kept(x: Any) -> bool:
+  return _trees.is_float(x) and not isinstance(x, float) and jnp.ndim(x) >= 1
+
+
+def stochastic(exact: jax.Array, old: jax.Array, counter: jax.Array, salt: int, index: int,
+               dtype: Any = None) -> jax.Array:
+  """`exact` (float32) in `dtype` (by default `old`'s, the value it replaces), rounded up
+  or down with probability proportional to the distance, independently per entry: its
+  expected value is `exact`."""
+  dtype = old.dtype if dtype is None else dtype
+  seed = _mix(_mix(jnp.asarray(counter, jnp.uint32) ^ np.uint32(salt)) + np.uint32(index))
+  for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
+    seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
+  value_bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
+  # A bijection of uniform bits: still uniform, and other where the values differ.
+  bits = _mix(_positions(exact.shape) + seed) ^ value_bits
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
+    # carry into it with probability equal to the distance to the next bfloat16.
+    raised = (value_bits + (bits >> 16)) & np.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(raised, jnp.float32).astype(dtype)
+  near = exact.astype(dtype)
+  toward = jnp.where(near.astype(jnp.float32) < exact, jnp.inf, -jnp.inf).astype(dtype)
+  other = jnp.nextafter(near, toward)
+  distance = (exact - near.astype(jnp.float32)) / (other.astype(jnp.float32)
+                                                   - near.astype(jnp.float32))
+  uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+  return jnp.where(uniform < distance, other, near)
+
+
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+  """Each entry's row-major index in an array of `shape`, uint32 (modulo 2**32)."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    index = index + iota * np.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return index
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """A 32-bit integer hash (lowbias32, C. Wellons' hash-prospector): every output bit
+  depends on every input bit."""
+  x = jnp.asarray(x, jnp.uint32)
+  x = x ^ (x >> 16)
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> 16)

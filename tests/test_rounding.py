@@ -1,0 +1,272 @@
+"""Specification of `loss_scaling(..., rounding=, state_dtype=)`: parameters and optimizer
+state narrower than float32, written to nearest, stochastically or with compensation."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_lossscale as jls
+
+ROUNDINGS = ("nearest", "stochastic", "compensated")
+
+
+def sgd_step(rounding, params, update, steps=1):
+  """`params` after `steps` steps of `params + update` (SGD at 1 on the gradient -update)."""
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding=rounding)
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  grads = jax.tree.map(lambda u: -u, update)
+  for _ in range(steps):
+    params, state = step(grads, state, params)
+  return params, state
+
+
+# --- arguments -----------------------------------------------------------------------------
+
+
+def test_an_unknown_rounding_is_refused_naming_the_argument_and_the_value():
+  with pytest.raises(ValueError, match=r"`rounding`.*'up'"):
+    jls.loss_scaling(optax.adam(1e-3), rounding="up")
+
+
+@pytest.mark.parametrize("state_dtype, shown", [(jnp.int32, "int32"), ("bits", "'bits'"),
+                                                (jnp.bool_, "bool")])
+def test_a_state_dtype_that_is_not_floating_is_refused(state_dtype, shown):
+  with pytest.raises(ValueError, match=rf"`state_dtype`.*got {shown}"):
+    jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_update_refuses_a_rounding_that_apply_updates_would_not_honour(rounding):
+  # optax.apply_updates rounds to nearest: the rounding asked for would silently not happen.
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  tx = jls.loss_scaling(optax.sgd(0.1), rounding=rounding)
+  with pytest.raises(ValueError, match=rf"rounding='{rounding}'.*`params\['w'\]`"):
+    tx.update({"w": jnp.ones(3, jnp.bfloat16)}, tx.init(params), params)
+  with pytest.raises(ValueError, match=r"`params` is None"):
+    tx.update({"w": jnp.ones(3, jnp.bfloat16)}, tx.init(params))
+
+
+def test_update_with_float32_params_takes_any_rounding():
+  params = {"w": jnp.ones(3)}
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.NoOpLossScale(), rounding="stochastic",
+                        state_dtype=jnp.bfloat16)
+  updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+  assert updates["w"].tolist() == [float(np.float32(-0.1))] * 3
+
+
+def test_a_state_of_another_rounding_is_refused_naming_restore_state():
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  state = jls.loss_scaling(optax.sgd(0.1)).init(params)
+  tx = jls.loss_scaling(optax.sgd(0.1), rounding="compensated")
+  with pytest.raises(ValueError, match="another `rounding`.*restore_state"):
+    tx.apply_gradients({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+
+
+# --- what each rounding writes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, update", [(jnp.bfloat16, 1e-3), (jnp.bfloat16, -1e-3),
+                                           (jnp.float16, 3e-4), (jnp.float16, -3e-4)])
+def test_stochastic_rounding_is_unbiased_over_entries(dtype, update):
+  n = 16384
+  params, _ = sgd_step("stochastic", {"w": jnp.ones(n, dtype)}, {"w": jnp.full(n, update)})
+  written = np.asarray(params["w"], np.float64)
+  exact = 1.0 + float(np.float32(update))
+  neighbours = np.unique(written)
+  assert len(neighbours) == 2  # each entry rounded up or down, nothing else
+  gap = neighbours[1] - neighbours[0]
+  p = (exact - neighbours[0]) / gap
+  standard_error = gap * np.sqrt(p * (1 - p) / n)
+  assert abs(written.mean() - exact) < 4 * standard_error, (written.mean(), exact)
+
+
+def test_stochastic_rounding_accumulates_updates_that_nearest_rounds_away():
+  update = {"w": jnp.full(4096, 1e-4)}  # an eightieth of bfloat16's spacing at 1.0
+  nearest, _ = sgd_step("nearest", {"w": jnp.ones(4096, jnp.bfloat16)}, update, steps=100)
+  stochastic, state = sgd_step("stochastic", {"w": jnp.ones(4096, jnp.bfloat16)}, update,
+                               steps=100)
+  assert np.all(np.asarray(nearest["w"], np.float32) == 1.0)
+  mean = float(jnp.mean(stochastic["w"].astype(jnp.float32)))
+  assert abs(mean - 1.01) < 1e-3, mean
+  assert int(state.rounding_counter) == 100
+
+
+def test_stochastic_rounding_draws_other_bits_at_each_step():
+  params = {"w": jnp.ones(4096, jnp.bfloat16)}
+  first, state = sgd_step("stochastic", params, {"w": jnp.full(4096, 2e-3)})
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="stochastic")
+  again, _ = tx.apply_gradients({"w": jnp.full(4096, -2e-3)}, state, params)  # from 1.0 again
+  assert not np.array_equal(np.asarray(first["w"]), np.asarray(again["w"]))
+
+
+def test_compensated_writes_reach_the_bfloat16_nearest_the_exact_sum():
+  update = {"w": jnp.full(4, 1e-4)}  # an eightieth of bfloat16's spacing at 1.0
+  params, state = sgd_step("compensated", {"w": jnp.ones(4, jnp.bfloat16)}, update, steps=1000)
+  exact = 1.0 + 1000 * np.float64(np.float32(1e-4))
+  assert params["w"].dtype == jnp.bfloat16 and state.compensation["w"].dtype == jnp.bfloat16
+  assert np.all(np.asarray(params["w"], np.float64) == float(jnp.bfloat16(exact)))  # 1.1016
+
+
+def test_the_compensated_sum_follows_the_exact_sum_of_random_updates():
+  steps, n = 1000, 1024
+  updates = jax.random.uniform(jax.random.key(0), (steps, n), maxval=2e-4)
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="compensated")
+
+  @jax.jit
+  def run(params):
+    step = lambda carry, u: (tx.apply_gradients({"w": -u}, *carry[::-1]), None)
+    return jax.lax.scan(step, (params, tx.init(params)), updates)[0]
+
+  params, state = run({"w": jnp.ones(n, jnp.bfloat16)})
+  exact = 1.0 + np.asarray(updates, np.float64).sum(axis=0)  # about 1.1
+  compensated = np.asarray(params["w"], np.float64) + np.asarray(state.compensation["w"],
+                                                                 np.float64)
+  # An eighth of bfloat16's spacing there (the buffer's own rounding, 8 bits, random walks).
+  np.testing.assert_allclose(compensated, exact, rtol=0, atol=2**-10)
+  np.testing.assert_allclose(np.asarray(params["w"], np.float64), exact, rtol=0,
+                             atol=2**-8 + 2**-10)  # within half a spacing, and that
+
+
+def test_float32_parameters_are_written_alike_by_every_rounding():
+  params, grads = {"w": jnp.linspace(-1.0, 1.0, 64)}, {"w": jnp.linspace(0.0, 1e-3, 64)}
+  written = [sgd_step(r, params, grads)[0] for r in ROUNDINGS]
+  for other in written[1:]:
+    chex.assert_trees_all_equal(other, written[0])
+  assert sgd_step("compensated", params, grads)[1].compensation == {"w": None}
+
+
+def test_state_dtype_keeps_the_moments_in_it_and_integer_counts_as_they_were():
+  params = {"w": jnp.ones(8)}
+  tx = jls.loss_scaling(optax.adam(1e-3), state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  _, state = tx.apply_gradients({"w": jnp.ones(8)}, state, params)
+  adam = state.inner_state[0]
+  assert adam.mu["w"].dtype == adam.nu["w"].dtype == jnp.bfloat16
+  assert adam.count.dtype == jnp.int32 and int(adam.count) == 1
+
+
+def test_state_dtype_halves_the_bytes_of_adams_state():
+  params = {"w": jnp.ones((256, 256))}
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+  full = jls.loss_scaling(optax.adam(1e-3)).init(params).inner_state
+  half = jls.loss_scaling(optax.adam(1e-3), state_dtype=jnp.bfloat16).init(params).inner_state
+  assert nbytes(half) - 4 == (nbytes(full) - 4) // 2  # the int32 count unchanged
+
+
+# --- a skipped step never happened ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
+def test_a_poisoned_run_equals_the_clean_run_bit_for_bit(rounding, state_dtype, branch):
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=state_dtype)
+  start = {"w": jnp.linspace(-1.0, 1.0, 256).astype(jnp.bfloat16), "b": jnp.zeros(4)}
+  step = jax.jit(tx.apply_gradients)
+  grads = [{"w": jnp.full(256, g, jnp.bfloat16), "b": jnp.full(4, g)} for g in (0.3, -0.2, 0.1)]
+  poison = {"w": jnp.full(256, 0.5, jnp.bfloat16).at[7].set(jnp.nan), "b": jnp.ones(4)}
+
+  def run(sequence):
+    params, state = start, tx.init(start)
+    for g in sequence:
+      params, state = step(g, state, params)
+    return params, state
+
+  clean_params, clean = run(grads)
+  poisoned_params, poisoned = run([grads[0], poison, grads[1], grads[2]])
+  assert int(poisoned.skipped_steps) == 1 and int(clean.skipped_steps) == 0
+  chex.assert_trees_all_equal(poisoned_params, clean_params)
+  chex.assert_trees_all_equal(
+      (poisoned.inner_state, poisoned.compensation, poisoned.rounding_counter),
+      (clean.inner_state, clean.compensation, clean.rounding_counter))
+
+
+# --- the small model: a regression MLP, Adam at 3e-4, 300 steps ------------------------------
+
+
+def regression_loss(params, x, y):
+  h = x
+  for i, layer in enumerate(params):
+    h = h @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
+    h = jnp.tanh(h) if i < len(params) - 1 else h
+  return jnp.mean((h - y) ** 2)
+
+
+def train_regression(dtype, steps=300, **options):
+  """The final loss of an MLP (16-64-64-1, parameters in `dtype`) fitting
+  sin(x @ w) + noise with Adam at 3e-4: updates about a tenth of bfloat16's spacing
+  at the weights' magnitudes."""
+  kx, kw, kn, *layers = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(kx, (512, 16))
+  y = jnp.sin(x @ jax.random.normal(kw, (16, 1))) + 0.1 * jax.random.normal(kn, (512, 1))
+  params = [{"w": (jax.random.normal(k, shape) / np.sqrt(shape[0])).astype(dtype),
+             "b": jnp.zeros(shape[1], dtype)}
+            for k, shape in zip(layers, [(16, 64), (64, 64), (64, 1)], strict=False)]
+  tx = jls.loss_scaling(optax.adam(3e-4), jls.NoOpLossScale(), **options)
+
+  @jax.jit
+  def train(params):
+    def step(carry, _):
+      params, state = carry
+      grads = jax.grad(regression_loss)(params, x, y)
+      return tx.apply_gradients(grads, state, params), None
+    return jax.lax.scan(step, (params, tx.init(params)), None, length=steps)[0][0]
+
+  return float(regression_loss(train(params), x, y))
+
+
+def test_bfloat16_training_with_each_rounding_against_float32_masters():
+  reference = train_regression(jnp.float32)
+  relative = {name: train_regression(dtype, **options) / reference - 1 for name, dtype, options in [
+      ("nearest", jnp.bfloat16, {}),
+      ("stochastic", jnp.bfloat16, {"rounding": "stochastic"}),
+      ("compensated", jnp.bfloat16, {"rounding": "compensated"}),
+      ("bfloat16 state", jnp.float32, {"state_dtype": jnp.bfloat16})]}
+  assert relative["nearest"] > 0.2, relative  # the model is one where rounding matters
+  assert abs(relative["compensated"]) < 0.01, relative
+  assert abs(relative["stochastic"]) < 0.03, relative
+  assert abs(relative["bfloat16 state"]) < 0.03, relative
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def test_an_orbax_checkpoint_of_a_nearest_run_restores_into_a_compensated_bfloat16_state(
+    tmp_path):
+  params = {"w": jnp.linspace(-1.0, 1.0, 8).astype(jnp.bfloat16), "b": jnp.zeros(2)}
+  grads = {"w": jnp.ones(8, jnp.bfloat16), "b": jnp.ones(2)}
+  old = jls.loss_scaling(optax.adam(1e-2))
+  params, state = old.apply_gradients(grads, old.init(params), params)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "checkpoint", state)
+  with ocp.StandardCheckpointer() as checkpointer:
+    saved = checkpointer.restore(tmp_path / "checkpoint")
+  tx = jls.loss_scaling(optax.adam(1e-2), rounding="compensated", state_dtype=jnp.bfloat16)
+  restored = jls.restore_state(saved, like=tx.init(params))
+  assert restored.compensation["w"].dtype == jnp.bfloat16
+  assert not np.any(np.asarray(restored.compensation["w"], np.float32))
+  assert restored.compensation["b"] is None
+  assert restored.inner_state[0].mu["b"].dtype == jnp.bfloat16
+  assert int(restored.inner_state[0].count) == 1
+  chex.assert_trees_all_equal(restored.loss_scale, state.loss_scale)
+  params, after = tx.apply_gradients(grads, restored, params)  # and the run continues
+  assert bool(after.last_applied)
+
+
+def test_a_stochastic_state_round_trips_through_orbax_with_its_counter(tmp_path):
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  params, state = sgd_step("stochastic", params, {"w": jnp.full(8, 1e-3)}, steps=3)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "checkpoint", state)
+  like = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="stochastic").init(
+      params)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "checkpoint", abstract)
+  chex.assert_trees_all_equal(restored, state)
+  assert int(restored.rounding_counter) == 3
