@@ -46,8 +46,10 @@ foreign code (`ffi_call`), runs at its traced precision, with a warning naming i
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +72,7 @@ FLOAT32 = frozenset({
     "digamma", "polygamma", "zeta", "igamma", "igammac", "igamma_grad_a",
     "random_gamma_grad", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "psum",
-    "psum_invariant", "reduce_scatter",
+    "psum_invariant", "reduce_scatter", "reduce_max", "reduce_min",
 })
 
 AS_TRACED = frozenset({
@@ -84,6 +86,10 @@ FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call"
                      "mosaic_gpu_call", "triton_kernel_call"})
 
 _CASTABLE = frozenset(map(np.dtype, (jnp.float32, jnp.float16, jnp.bfloat16)))
+
+# The name scope an autocast to float32 (or wider) runs in: an enclosing autocast runs the
+# operations inside as that one chose (`jls.autocast(part, jnp.float32)`: `part` in float32).
+_KEPT_SCOPES = frozenset({"autocast_float32", "autocast_float64"})
 
 
 def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Callable[..., Any]:
@@ -138,12 +144,22 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
       return fun(*copy[0], **copy[1]), _nnx_state(copy)
 
     program, out_tree = internals.trace(traced, arrays)
-    out, state = jax.tree.unflatten(out_tree, _Interpreter(dtype).run_program(program, arrays))
+    with _scope(dtype):
+      results = _Interpreter(dtype).run_program(program, arrays)
+    out, state = jax.tree.unflatten(out_tree, results)
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
 
   return autocast_fun
+
+
+def _scope(dtype: np.dtype) -> Any:
+  """The name scope an autocast to `dtype` runs its operations in: one that an enclosing
+  autocast keeps for float32 and wider, none for a narrow dtype."""
+  if _numerics.is_narrow(dtype):
+    return contextlib.nullcontext()
+  return jax.named_scope(f"autocast_{dtype.name}")
 
 
 def _nnx_state(tree: Any) -> list:
@@ -171,6 +187,8 @@ class _Interpreter:
 
   def run(self, op: internals.Operation, operands: list) -> list:
     name = op.name
+    if _KEPT_SCOPES.intersection(op.scopes):  # an inner autocast to float32 chose already
+      return op.bind(_as_traced(op, operands))
     if name == "convert_element_type":
       return op.bind(operands)
     if name in AS_TRACED:  # a scatter's or reduction's combiner is a program, typed as traced
@@ -251,15 +269,45 @@ def _as_traced(op: internals.Operation, operands: list) -> list:
 
 
 def _widest(op: internals.Operation, operands: list) -> list:
-  """Floating `operands` cast to the widest floating dtype among them, weakly typed
-  ones and scalar constants (`x * 2.0`) left out of the choice unless all are."""
-  floating = [(x, kind.weak or kind.scalar_constant)
-              for x, kind in zip(operands, op.inputs, strict=True) if _is_floating(x)]
+  """Floating `operands` cast to the widest floating dtype among them; weakly typed ones,
+  scalar constants (`x * 2.0`) and a matmul's bias (`_is_bias`) left out of the choice
+  unless all are, but a constant whose value does not keep its magnitude in that dtype
+  (`x / 1e5` in float16) widens it to its own. Operations on other floating dtypes
+  (8-bit floats, float64) run as traced."""
+  floating = [i for i, x in enumerate(operands) if _is_floating(x)]
+  if not all(_castable(operands[i]) for i in floating):
+    return _as_traced(op, operands)
   if not floating:
     return operands
-  strong = [_dtype(x) for x, weak in floating if not weak] or [_dtype(x) for x, _ in floating]
-  target = functools.reduce(jnp.promote_types, strong)
+  yielding = [i for i in floating if op.inputs[i].weak or op.inputs[i].scalar_constant
+              or _is_bias(op, operands, i)]
+  strong = [_dtype(operands[i]) for i in floating if i not in yielding]
+  target = functools.reduce(jnp.promote_types, strong or [_dtype(operands[i]) for i in floating])
+  for i in yielding:
+    traced, constant = op.inputs[i].dtype, op.origin(i).constant
+    if traced != target and constant is not None and not _keeps_magnitude(constant, target):
+      target = jnp.promote_types(target, traced)
   return [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
+  """Whether operand `i` is a bias added to a matmul's result (`x @ w + b`, a convolution's
+  too): broadcast over it, and so part of the matmul, as PyTorch's `linear`."""
+  if op.name != "add" or len(operands) != 2:
+    return False
+  result = operands[1 - i]
+  return (op.origin(1 - i).primitive in MATMUL and _is_floating(result)
+          and math.prod(jnp.shape(operands[i])) < math.prod(jnp.shape(result)))
+
+
+def _keeps_magnitude(value: Any, dtype: np.dtype) -> bool:
+  """Whether every element of `value` keeps its magnitude in `dtype`: zero, infinite, NaN
+  or in its normal range (not overflowing to inf, nor flushed to 0 or a subnormal)."""
+  magnitude = np.abs(np.asarray(value, np.float64))
+  info = jnp.finfo(dtype)
+  ordinary = np.isfinite(magnitude) & (magnitude != 0)
+  return bool(np.all(~ordinary | ((magnitude >= float(info.smallest_normal))
+                                  & (magnitude <= float(info.max)))))
 
 
 @dataclasses.dataclass(frozen=True)

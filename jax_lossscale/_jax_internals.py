@@ -29,7 +29,9 @@ What is read, and why:
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
-  private), for `autocast` and its precision summary.
+  private), for `autocast` and its precision summary; where each operand comes from
+  (`Origin`: the operation that computed it, or the constant it is), and the name scopes an
+  operation was traced in (`Operation.scopes`, from `source_info_util`'s name stack).
 """
 
 from __future__ import annotations
@@ -260,6 +262,27 @@ def _source_of(eqn: Equation) -> Any:
   return stack
 
 
+# Operations that only move or repeat the elements of their first operand: `Origin` looks
+# through them (and through a constant's casts).
+_REARRANGING = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
+                          "copy", "copy_p", "rev"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+  """Where a value of a program comes from, looking through operations that only reshape,
+  transpose or broadcast it (and through a constant's casts).
+
+  Attributes:
+    primitive: the primitive of the operation that computed it in the same program; None
+      for the program's inputs and constants.
+    constant: for a constant of the program (a literal such as `x * 1e5`, a closed-over
+      array, a `jnp.float32(...)` scalar) its value, a concrete array; else None.
+  """
+  primitive: str | None = None
+  constant: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class ValueType:
   """The type a value had when its program was traced.
@@ -301,14 +324,23 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
   which returns its results (a list, one per result)."""
   jaxpr = jaxpr_of(program)
   env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
+  origins = {v: Origin(constant=value) for v, value in env.items() if not is_tracer(value)}
   env.update(zip(jaxpr.invars, args, strict=True))
   read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]
+  origin = lambda atom: (Origin(constant=atom.val) if isinstance(atom, _core.Literal)
+                         else origins.get(atom, Origin()))
   last_use = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.invars
               if not isinstance(v, _core.Literal)}
   last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
   for i, eqn in enumerate(jaxpr.eqns):
-    env.update(zip(eqn.outvars, run(Operation(eqn), [read(v) for v in eqn.invars]),
+    sources = tuple(map(origin, eqn.invars))
+    env.update(zip(eqn.outvars, run(Operation(eqn, sources), [read(v) for v in eqn.invars]),
                    strict=True))
+    name = eqn.primitive.name
+    rearranged = sources and (name in _REARRANGING or (
+        name == "convert_element_type" and sources[0].constant is not None))
+    made = sources[0] if rearranged else Origin(name)
+    origins.update((v, made) for v in eqn.outvars)
     for v in eqn.invars:  # a value no later operation reads is let go (eager arrays)
       if not isinstance(v, _core.Literal) and last_use.get(v) == i:
         env.pop(v, None)
@@ -317,8 +349,19 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Operation:
-  """One operation (equation) of a program: a primitive bound to operands."""
+  """One operation (equation) of a program: a primitive bound to operands.
+
+  Attributes:
+    eqn: its equation.
+    origins: where each operand comes from in the program it is part of (`Origin()`, of
+      unknown origin, where it was not given).
+  """
   eqn: Equation
+  origins: tuple[Origin, ...] = ()
+
+  def origin(self, i: int) -> Origin:
+    """Where its operand `i` comes from."""
+    return self.origins[i] if i < len(self.origins) else Origin()
 
   @property
   def name(self) -> str:
@@ -339,6 +382,16 @@ class Operation:
 
   def param(self, key: str, default: Any = None) -> Any:
     return self.eqn.params.get(key, default)
+
+  @property
+  def scopes(self) -> tuple[str, ...]:
+    """The names of the `jax.named_scope`s it was traced in, outermost first (those around
+    a jitted function's call are not among its operations'); transformations (`jvp`,
+    `transpose`) keep their operations' scopes."""
+    if _source_info is None:  # pragma: no cover
+      return ()
+    stack = getattr(self.eqn.source_info.name_stack, "stack", ())
+    return tuple(item.name for item in stack if isinstance(item, _source_info.Scope))
 
   @property
   def holds_programs(self) -> bool:
