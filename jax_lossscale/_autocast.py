@@ -21,13 +21,22 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
     special functions that overflow or cancel in float16 (`lgamma`, `digamma`, `igamma`,
     `erfc`, ...). TensorFlow runs `Log`, `Softmax` and `Sigmoid` in float16 when their
     input is: its kernels compute them internally in float32, which JAX's primitives do
-    not promise.
+    not promise;
+  - `reduce_max` and `reduce_min`, whose derivative counts the ties with a sum.
+- **A bias added to a matmul's result** (`x @ w + b`: an `add` of a matmul's or
+  convolution's result and a smaller operand broadcast over it) runs in the matmul's
+  dtype, as PyTorch's `linear` adds its bias.
 - **Everything else** runs at the widest floating dtype of its operands (Python scalars
   and the program's scalar constants do not widen), PyTorch's type promotion for ops on no list:
-  adding a float32 bias to a float16 matmul's result gives float32.
+  adding a float32 residual to a float16 matmul's result gives float32. A constant whose
+  value does not keep its magnitude in that dtype (`x / 1e5`, `x + 1e-8` in float16:
+  overflowing, or below its normal range) widens it to the constant's dtype, whether a
+  literal, a `jnp.float32(...)` scalar or a closed-over array.
 - **Explicit casts** (`astype`, `convert_element_type`) run as written. Integers,
   booleans and keys are never cast; float64 and 8-bit floats are not cast either (they
-  are deliberate), only float32, float16 and bfloat16.
+  are deliberate), only float32, float16 and bfloat16: an operation on them runs as traced.
+- **An inner autocast** to float32 (`autocast(part, jnp.float32)` inside `fun`) runs its
+  operations as it chose, in float32, forward and backward: "this part in float32".
 - **At traced precision** (`AS_TRACED`): primitives whose meaning depends on the dtype
   (`bitcast_convert_type`, `reduce_precision`), scatters and generic reductions (their
   combiner is a program typed by the traced dtype), and host callbacks.
