@@ -21,13 +21,22 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
     special functions that overflow or cancel in float16 (`lgamma`, `digamma`, `igamma`,
     `erfc`, ...). TensorFlow runs `Log`, `Softmax` and `Sigmoid` in float16 when their
     input is: its kernels compute them internally in float32, which JAX's primitives do
-    not promise.
+    not promise;
+  - `reduce_max` and `reduce_min`, whose derivative counts the ties with a sum.
+- **A bias added to a matmul's result** (`x @ w + b`: an `add` of a matmul's or
+  convolution's result and a smaller operand broadcast over it) runs in the matmul's
+  dtype, as PyTorch's `linear` adds its bias.
 - **Everything else** runs at the widest floating dtype of its operands (Python scalars
   and the program's scalar constants do not widen), PyTorch's type promotion for ops on no list:
-  adding a float32 bias to a float16 matmul's result gives float32.
+  adding a float32 residual to a float16 matmul's result gives float32. A constant whose
+  value does not keep its magnitude in that dtype (`x / 1e5`, `x + 1e-8` in float16:
+  overflowing, or below its normal range) widens it to the constant's dtype, whether a
+  literal, a `jnp.float32(...)` scalar or a closed-over array.
 - **Explicit casts** (`astype`, `convert_element_type`) run as written. Integers,
   booleans and keys are never cast; float64 and 8-bit floats are not cast either (they
-  are deliberate), only float32, float16 and bfloat16.
+  are deliberate), only float32, float16 and bfloat16: an operation on them runs as traced.
+- **An inner autocast** to float32 (`autocast(part, jnp.float32)` inside `fun`) runs its
+  operations as it chose, in float32, forward and backward: "this part in float32".
 - **At traced precision** (`AS_TRACED`): primitives whose meaning depends on the dtype
   (`bitcast_convert_type`, `reduce_precision`), scatters and generic reductions (their
   combiner is a program typed by the traced dtype), host callbacks, and linear solves
@@ -50,8 +59,10 @@ user's line that calls it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -78,7 +89,7 @@ FLOAT32 = frozenset({
     "digamma", "polygamma", "zeta", "igamma", "igammac", "igamma_grad_a",
     "random_gamma_grad", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "psum",
-    "psum_invariant", "reduce_scatter",
+    "psum_invariant", "reduce_scatter", "reduce_max", "reduce_min",
 })
 
 AS_TRACED = frozenset({
@@ -93,6 +104,10 @@ FOREIGN = frozenset({"ffi_call", "custom_call", "pallas_call", "tpu_custom_call"
                      "mosaic_gpu_call", "triton_kernel_call"})
 
 _CASTABLE = frozenset(map(np.dtype, (jnp.float32, jnp.float16, jnp.bfloat16)))
+
+# The name scope an autocast to float32 (or wider) runs in: an enclosing autocast runs the
+# operations inside as that one chose (`jls.autocast(part, jnp.float32)`: `part` in float32).
+_KEPT_SCOPES = frozenset({"autocast_float32", "autocast_float64"})
 
 
 def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
@@ -161,8 +176,9 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
     # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
     named = internals.Named("autocast", fun, args, kwargs, tuple(arrays))
     program, out_tree = internals.trace(traced, arrays, named)
-    interpreter = _Interpreter(dtype, fp8=recipe)
-    out, state = jax.tree.unflatten(out_tree, interpreter.run_program(program, arrays))
+    with _scope(dtype):
+      results = _Interpreter(dtype, fp8=recipe).run_program(program, arrays)
+    out, state = jax.tree.unflatten(out_tree, results)
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
@@ -181,6 +197,14 @@ def compute_dtype_of(fun: Any) -> np.dtype | None:
       return dtype
     fun = fun.func if isinstance(fun, functools.partial) else getattr(fun, "__wrapped__", None)
   return None
+
+
+def _scope(dtype: np.dtype) -> Any:
+  """The name scope an autocast to `dtype` runs its operations in: one that an enclosing
+  autocast keeps for float32 and wider, none for a narrow dtype."""
+  if _numerics.is_narrow(dtype):
+    return contextlib.nullcontext()
+  return jax.named_scope(f"autocast_{dtype.name}")
 
 
 def _nnx_state(tree: Any) -> list:
@@ -209,6 +233,8 @@ class _Interpreter:
 
   def run(self, op: internals.Operation, operands: list) -> list:
     name = op.name
+    if _KEPT_SCOPES.intersection(op.scopes):  # an inner autocast to float32 chose already
+      return op.bind(_as_traced(op, operands))
     if name == "convert_element_type":
       return op.bind(operands)
     if name in AS_TRACED:  # a scatter's or reduction's combiner is a program, typed as traced
@@ -303,15 +329,45 @@ def _as_traced(op: internals.Operation, operands: list) -> list:
 
 
 def _widest(op: internals.Operation, operands: list) -> list:
-  """Floating `operands` cast to the widest floating dtype among them, weakly typed
-  ones and scalar constants (`x * 2.0`) left out of the choice unless all are."""
-  floating = [(x, kind.weak or kind.scalar_constant)
-              for x, kind in zip(operands, op.inputs, strict=True) if _is_floating(x)]
+  """Floating `operands` cast to the widest floating dtype among them; weakly typed ones,
+  scalar constants (`x * 2.0`) and a matmul's bias (`_is_bias`) left out of the choice
+  unless all are, but a constant whose value does not keep its magnitude in that dtype
+  (`x / 1e5` in float16) widens it to its own. Operations on other floating dtypes
+  (8-bit floats, float64) run as traced."""
+  floating = [i for i, x in enumerate(operands) if _is_floating(x)]
+  if not all(_castable(operands[i]) for i in floating):
+    return _as_traced(op, operands)
   if not floating:
     return operands
-  strong = [_dtype(x) for x, weak in floating if not weak] or [_dtype(x) for x, _ in floating]
-  target = functools.reduce(jnp.promote_types, strong)
+  yielding = [i for i in floating if op.inputs[i].weak or op.inputs[i].scalar_constant
+              or _is_bias(op, operands, i)]
+  strong = [_dtype(operands[i]) for i in floating if i not in yielding]
+  target = functools.reduce(jnp.promote_types, strong or [_dtype(operands[i]) for i in floating])
+  for i in yielding:
+    traced, constant = op.inputs[i].dtype, op.origin(i).constant
+    if traced != target and constant is not None and not _keeps_magnitude(constant, target):
+      target = jnp.promote_types(target, traced)
   return [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
+  """Whether operand `i` is a bias added to a matmul's result (`x @ w + b`, a convolution's
+  too): broadcast over it, and so part of the matmul, as PyTorch's `linear`."""
+  if op.name != "add" or len(operands) != 2:
+    return False
+  result = operands[1 - i]
+  return (op.origin(1 - i).primitive in MATMUL and _is_floating(result)
+          and math.prod(jnp.shape(operands[i])) < math.prod(jnp.shape(result)))
+
+
+def _keeps_magnitude(value: Any, dtype: np.dtype) -> bool:
+  """Whether every element of `value` keeps its magnitude in `dtype`: zero, infinite, NaN
+  or in its normal range (not overflowing to inf, nor flushed to 0 or a subnormal)."""
+  magnitude = np.abs(np.asarray(value, np.float64))
+  info = jnp.finfo(dtype)
+  ordinary = np.isfinite(magnitude) & (magnitude != 0)
+  return bool(np.all(~ordinary | ((magnitude >= float(info.smallest_normal))
+                                  & (magnitude <= float(info.max)))))
 
 
 class Location(NamedTuple):

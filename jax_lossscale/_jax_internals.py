@@ -42,6 +42,9 @@ What is read, and why:
   a class defined again under the same name (a notebook cell run twice) replaces the
   earlier class; `jax.export` refuses a second registration of a name, and its
   registries are only private.
+- `Origin`, `Operation.origin`, `Operation.scopes`: where each operand comes from
+  (the operation that computed it, or the constant it is), and the name scopes an
+  operation was traced in (from `source_info_util`'s name stack).
 """
 
 from __future__ import annotations
@@ -334,6 +337,27 @@ def _source_of(eqn: Equation) -> Any:
   return stack
 
 
+# Operations that only move or repeat the elements of their first operand: `Origin` looks
+# through them (and through a constant's casts).
+_REARRANGING = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
+                          "copy", "copy_p", "rev"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+  """Where a value of a program comes from, looking through operations that only reshape,
+  transpose or broadcast it (and through a constant's casts).
+
+  Attributes:
+    primitive: the primitive of the operation that computed it in the same program; None
+      for the program's inputs and constants.
+    constant: for a constant of the program (a literal such as `x * 1e5`, a closed-over
+      array, a `jnp.float32(...)` scalar) its value, a concrete array; else None.
+  """
+  primitive: str | None = None
+  constant: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
   """Where an operation was written.
@@ -474,15 +498,24 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
   which returns its results (a list, one per result)."""
   jaxpr = jaxpr_of(program)
   env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
+  origins = {v: Origin(constant=value) for v, value in env.items() if not is_tracer(value)}
   env.update(zip(jaxpr.invars, args, strict=True))
   read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]
+  origin = lambda atom: (Origin(constant=atom.val) if isinstance(atom, _core.Literal)
+                         else origins.get(atom, Origin()))
   last_use = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.invars
               if not isinstance(v, _core.Literal)}
   last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
   for i, eqn in enumerate(jaxpr.eqns):
+    sources = tuple(map(origin, eqn.invars))
     with _source_of(eqn):  # what `run` binds, its casts included, is located at `eqn`
-      outs = run(Operation(eqn), [read(v) for v in eqn.invars])
+      outs = run(Operation(eqn, sources), [read(v) for v in eqn.invars])
     env.update(zip(eqn.outvars, outs, strict=True))
+    name = eqn.primitive.name
+    rearranged = sources and (name in _REARRANGING or (
+        name == "convert_element_type" and sources[0].constant is not None))
+    made = sources[0] if rearranged else Origin(name)
+    origins.update((v, made) for v in eqn.outvars)
     for v in eqn.invars:  # a value no later operation reads is let go (eager arrays)
       if not isinstance(v, _core.Literal) and last_use.get(v) == i:
         env.pop(v, None)
@@ -491,8 +524,19 @@ def evaluate(program: Program, args: list, run: Callable[[Operation, list], list
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Operation:
-  """One operation (equation) of a program: a primitive bound to operands."""
+  """One operation (equation) of a program: a primitive bound to operands.
+
+  Attributes:
+    eqn: its equation.
+    origins: where each operand comes from in the program it is part of (`Origin()`, of
+      unknown origin, where it was not given).
+  """
   eqn: Equation
+  origins: tuple[Origin, ...] = ()
+
+  def origin(self, i: int) -> Origin:
+    """Where its operand `i` comes from."""
+    return self.origins[i] if i < len(self.origins) else Origin()
 
   @property
   def name(self) -> str:
@@ -518,6 +562,16 @@ class Operation:
   def source(self) -> Source:
     """Where it was written (its name scope relative to its program's)."""
     return _source(self.eqn)
+
+  @property
+  def scopes(self) -> tuple[str, ...]:
+    """The names of the `jax.named_scope`s it was traced in, outermost first (those around
+    a jitted function's call are not among its operations'); transformations (`jvp`,
+    `transpose`) keep their operations' scopes."""
+    if _source_info is None:  # pragma: no cover
+      return ()
+    stack = getattr(self.eqn.source_info.name_stack, "stack", ())
+    return tuple(item.name for item in stack if isinstance(item, _source_info.Scope))
 
   @property
   def holds_programs(self) -> bool:

@@ -147,6 +147,32 @@ def test_an_operation_tells_its_name_types_and_parameters():
   assert not dot.holds_programs
 
 
+def test_an_operation_tells_where_its_operands_come_from_through_reshapes():
+  table = jnp.arange(8.0).reshape(4, 2)  # closed over: a constant of the program
+  program, _ = internals.trace(lambda w, x: (x @ w).T * 1e5 + table, [jnp.ones((3, 4)),
+                                                                     jnp.ones((2, 3))])
+  seen = {}
+  internals.evaluate(program, [jnp.ones((3, 4)), jnp.ones((2, 3))],
+                     lambda op, xs: seen.setdefault(op.name, op) and op.bind(xs))
+  (product, factor), (scaled, constant) = seen["mul"].origins, seen["add"].origins
+  assert (product.primitive, product.constant) == ("dot_general", None)  # through `.T`
+  assert (factor.primitive, float(factor.constant)) == (None, 1e5)
+  assert (scaled.primitive, constant.primitive) == ("mul", None)
+  np.testing.assert_array_equal(constant.constant, table)
+  assert seen["dot_general"].origin(0) == internals.Origin()  # an input
+
+
+def test_an_operation_tells_its_name_scopes_also_once_differentiated():
+  def f(x):
+    with jax.named_scope("outer"), jax.named_scope("inner"):
+      return jnp.sin(x)
+
+  program, _ = internals.trace(jax.grad(f), [1.0])
+  scopes = []
+  internals.evaluate(program, [1.0], lambda op, xs: scopes.append(op.scopes) or op.bind(xs))
+  assert scopes and set(scopes) == {("outer", "inner")}
+
+
 def test_an_operation_binds_with_changed_parameters():
   program, _ = internals.trace(lambda x: x @ x, [jnp.ones((2, 2))])
   run = lambda op, xs: op.bind([x.astype(jnp.float16) for x in xs],

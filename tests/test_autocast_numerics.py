@@ -1,0 +1,234 @@
+"""`autocast`'s numerics: constants outside the compute dtype's range, a matmul's bias,
+8-bit floats, and the sums that differentiation adds.
+
+Values against float32; dtypes on the traced program (`precision_summary`); the memory
+of a biased layer against the model cast by hand (XLA's memory analysis).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen
+from flax import nnx
+from jax import lax
+
+import jax_lossscale as jls
+from jax_lossscale import _jax_internals as internals
+
+F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+KEYS = jax.random.split(jax.random.key(0), 3)
+X = jax.random.normal(KEYS[0], (64, 32))
+W = jax.random.normal(KEYS[1], (32, 16)) / 4
+SCALE = jnp.float32(1e5)  # closed over by the functions below
+TINY = np.float32(1e-7)
+
+
+def dtypes_of(summary, primitive, backward=False):
+  """The dtypes `primitive` ran in, in one pass."""
+  return {d for p, d, f, b in summary.rows if p == primitive and (b if backward else f)}
+
+
+def forward_dtypes(fun, *args):
+  """Primitive -> the dtypes it ran in, in `fun`'s own program (not differentiated)."""
+  found = {}
+  for ran in internals.operations_ran(jax.make_jaxpr(fun)(*args), ()):
+    found.setdefault(ran.name, set()).add(ran.dtype)
+  return found
+
+
+# --- constants outside the compute dtype's range ------------------------------------
+
+CONSTANTS = {
+    "a literal divisor after a cast": lambda w, x: (x @ w).astype(jnp.float32) / 1e5,
+    "a literal factor": lambda w, x: (x @ w) * 1e5,
+    "a negative literal factor": lambda w, x: (x @ w) * -1e5,
+    "a jnp.float32 scalar": lambda w, x: (x @ w) / jnp.float32(1e5),
+    "a closed-over array": lambda w, x: (x @ w) / SCALE,
+    "a closed-over NumPy scalar": lambda w, x: (x @ w) * TINY,
+    "an epsilon below float16's subnormals": lambda w, x: jnp.log(
+        jnp.maximum(x @ w, 0.0) + 1e-8),
+}
+
+
+@pytest.mark.parametrize("name", CONSTANTS)
+def test_a_constant_outside_float16s_range_keeps_its_value(name):
+  fun = CONSTANTS[name]
+  out = jax.jit(jls.autocast(fun))(W, X)
+  assert out.dtype == F32 and bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(jnp.mean(out), jnp.mean(fun(W, X)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["a literal factor", "a jnp.float32 scalar",
+                                  "a closed-over NumPy scalar"])
+def test_the_operation_with_a_constant_outside_float16s_range_runs_in_float32(name):
+  ran = forward_dtypes(jls.autocast(CONSTANTS[name]), W, X)
+  assert ran["dot_general"] == {F16}
+  assert (ran.get("mul", set()) | ran.get("div", set())) == {F32}
+
+
+def test_a_constant_within_the_compute_dtypes_range_does_not_widen():
+  ran = forward_dtypes(jls.autocast(lambda w, x: (x @ w) * 0.125 / jnp.float32(3.0)), W, X)
+  assert (ran["mul"], ran["div"]) == ({F16}, {F16})
+
+
+def test_bfloat16_keeps_a_constant_that_its_range_holds():
+  ran = forward_dtypes(jls.autocast(CONSTANTS["a literal factor"], jnp.bfloat16), W, X)
+  assert ran["mul"] == {BF16}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # JAX's, tracing `* 1e5`
+def test_an_operation_traced_in_float16_keeps_its_constant_as_written():
+  fun = lambda w, x: (x.astype(jnp.float16) @ w.astype(jnp.float16)) * 1e5
+  ran = forward_dtypes(jls.autocast(fun), W, X)
+  assert ran["mul"] == {F16}
+
+
+def log_loss(w, x, part=lambda h: jnp.log(jnp.maximum(h, 0.0) + 1e-8)):
+  return jnp.mean(part(x @ w))
+
+
+def hand_cast_log_loss(w, x):
+  h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+  return jnp.mean(jnp.log(jnp.maximum(h, 0.0) + 1e-8))
+
+
+def test_an_inner_float32_autocast_runs_its_part_in_float32_forward_and_backward():
+  part = jls.autocast(lambda h: jnp.tanh(h) * h, jnp.float32)
+  loss = jls.autocast(lambda w, x: jnp.mean(part(x @ w)))
+  ran = jls.precision_summary(loss, W, X)
+  assert dtypes_of(ran, "dot_general") == dtypes_of(ran, "dot_general", backward=True) == {
+      "float16"}
+  assert dtypes_of(ran, "tanh") == {"float32"}
+  assert dtypes_of(ran, "mul") == dtypes_of(ran, "mul", backward=True) == {"float32"}
+
+
+@pytest.mark.parametrize("order", ["grad of autocast", "autocast of grad"])
+def test_a_loss_in_an_inner_float32_autocast_has_float32s_gradients(order):
+  part = jls.autocast(lambda h: jnp.log(jnp.maximum(h, 0.0) + 1e-8), jnp.float32)
+  loss = lambda w, x: log_loss(w, x, part)
+  grad = (jax.grad(jls.autocast(loss)) if order == "grad of autocast"
+          else jls.autocast(jax.grad(loss)))
+  grads = jax.jit(grad)(W, X)
+  assert bool(jnp.all(jnp.isfinite(grads)))
+  np.testing.assert_allclose(grads, jax.grad(hand_cast_log_loss)(W, X), rtol=1e-2, atol=1e-2)
+
+
+# --- the linear layer's bias ----------------------------------------------------------
+
+
+class LinenBiased(linen.Module):
+  dtype: object = None
+
+  @linen.compact
+  def __call__(self, x):
+    return jnp.tanh(linen.Dense(16, dtype=self.dtype)(x))
+
+
+class LinenConv(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    return jnp.tanh(linen.Conv(8, (3, 3))(x.reshape(8, 8, 4, 8)))
+
+
+def biased_layers():
+  """Each stack's biased layer followed by a tanh: `(function, its arguments)`."""
+  linen_dense, linen_conv = LinenBiased(), LinenConv()
+  nnx_linear = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+  eqx_linear = eqx.nn.Linear(32, 16, key=KEYS[2])
+  return {
+      "flax linen Dense": (lambda v, x: linen_dense.apply(v, x),
+                           (linen_dense.init(KEYS[2], X), X)),
+      "flax linen Conv": (lambda v, x: linen_conv.apply(v, x),
+                          (linen_conv.init(KEYS[2], X.reshape(8, 8, 4, 8)), X)),
+      "flax nnx Linear": (lambda m, x: jnp.tanh(m(x)), (nnx_linear, X)),
+      "equinox Linear": (lambda m, x: jnp.tanh(jax.vmap(m)(x)), (eqx_linear, X)),
+  }
+
+
+@pytest.mark.parametrize("name", ["flax linen Dense", "flax linen Conv", "flax nnx Linear",
+                                  "equinox Linear"])
+def test_a_bias_added_to_a_matmuls_result_keeps_the_compute_dtype(name):
+  fun, args = biased_layers()[name]
+  ran = jls.precision_summary(jls.autocast(lambda *a: jnp.sum(fun(*a))), *args)
+  assert dtypes_of(ran, "add") == {"float16"}
+  assert dtypes_of(ran, "tanh") == {"float16"}  # the activation after the layer
+  out = jax.jit(jls.autocast(fun))(*args)
+  np.testing.assert_allclose(out, fun(*args), rtol=2e-2, atol=2e-2)
+
+
+def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
+  square = jax.random.normal(KEYS[2], (32, 32)) / 6
+  ran = forward_dtypes(jls.autocast(lambda w, x: x + x @ w), square, X)
+  assert ran["add"] == {F32}
+
+
+def test_a_biased_tanh_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models():
+  class MLP(linen.Module):
+    dtype: object = None
+
+    @linen.compact
+    def __call__(self, x):
+      for width in (512, 512, 512):
+        x = jnp.tanh(linen.Dense(width, dtype=self.dtype)(x))
+      return linen.Dense(1, dtype=self.dtype)(x)
+
+  x = jax.random.normal(KEYS[0], (1024, 64))
+  variables = MLP().init(KEYS[1], x)
+
+  def temporaries(model, wrap):
+    loss = wrap(lambda v, x: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2))
+    step = jax.jit(jax.value_and_grad(loss)).lower(variables, x).compile()
+    return step.memory_analysis().temp_size_in_bytes
+
+  hand_cast = temporaries(MLP(jnp.float16), lambda f: f)
+  assert temporaries(MLP(), jls.autocast) <= 1.02 * hand_cast
+
+
+# --- 8-bit floats ---------------------------------------------------------------------
+
+
+def test_a_matmul_between_two_float8_types_runs_as_written():
+  a = (X[:, :16] * 8).astype(jnp.float8_e4m3fn)
+  b = W[:16].astype(jnp.float8_e5m2)
+  fun = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+  out = jls.autocast(fun)(a, b)
+  assert out.dtype == F32
+  np.testing.assert_array_equal(out, jax.jit(fun)(a, b))
+
+
+def test_flax_fp8_dense_runs_under_autocast_value_and_grad():
+  model = linen.Dense(16, dot_general_cls=linen.Fp8DirectDotGeneralOp)
+  variables = model.init(KEYS[2], X)
+  loss = lambda v, x: jnp.mean(jax.nn.gelu(model.apply(v, x)) ** 2)
+  value, grads = jax.jit(jls.autocast(jax.value_and_grad(loss)))(variables, X)
+  expected, expected_grads = jax.jit(jax.value_and_grad(loss))(variables, X)
+  np.testing.assert_allclose(value, expected, rtol=2e-2)
+  kernel = grads["params"]["kernel"]
+  assert kernel.dtype == F32 and bool(jnp.all(jnp.isfinite(kernel)))
+  np.testing.assert_allclose(kernel, expected_grads["params"]["kernel"], rtol=0.1, atol=1e-3)
+
+
+# --- the sums that differentiation adds ------------------------------------------------
+
+TIES = jnp.ones((70_000, 4))  # more ties than float16 counts exactly (2,048) or at all (65,504)
+
+
+def max_loss(w, x):
+  return jnp.max(x @ w)
+
+
+@pytest.mark.parametrize("order", ["grad of autocast", "autocast of grad"])
+def test_the_derivative_of_max_counts_its_ties_in_float32(order):
+  grad = (jax.grad(jls.autocast(max_loss)) if order == "grad of autocast"
+          else jls.autocast(jax.grad(max_loss)))
+  w = jnp.full((4, 1), 0.25)
+  np.testing.assert_allclose(jax.jit(grad)(w, TIES), jax.grad(max_loss)(w, TIES), rtol=2e-3)
+
+
+def test_every_sum_of_the_derivative_of_max_runs_in_float32():
+  ran = jls.precision_summary(jls.autocast(max_loss), jnp.full((4, 1), 0.25), TIES[:4096])
+  assert dtypes_of(ran, "reduce_sum") | dtypes_of(ran, "reduce_sum", backward=True) == {
+      "float32"}
