@@ -378,8 +378,8 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   shapes = jax.eval_shape(forward, [leaves[i] for i in wrt])
 
   def forward_and_backward(arrays, cotangents):
-    _, pullback = jax.vjp(forward, arrays)
-    return pullback(cotangents)
+    outs, pullback = jax.vjp(forward, arrays)
+    return outs, pullback(cotangents)
 
   try:
     program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
@@ -387,8 +387,9 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   except Exception:  # not reverse-differentiable: a while loop
     program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
     cotangents = range(0)
-  counts = collections.Counter((ran.name, ran.dtype.name, ran.backward)
-                               for ran in internals.operations_ran(program, cotangents))
+  counts = collections.Counter(
+      (ran.name, ran.dtype.name, ran.backward)
+      for ran in internals.operations_ran(program, cotangents, forward_outputs=len(shapes)))
   keys = sorted({(name, dtype) for name, dtype, _ in counts})
   return PrecisionSummary(tuple((name, dtype, counts[name, dtype, False],
                                  counts[name, dtype, True]) for name, dtype in keys))
