@@ -510,8 +510,8 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   shapes = jax.eval_shape(internals.with_names(forward, named), [leaves[i] for i in wrt])
 
   def forward_and_backward(arrays, cotangents):
-    _, pullback = jax.vjp(forward, arrays)
-    return pullback(cotangents)
+    outs, pullback = jax.vjp(forward, arrays)
+    return outs, pullback(cotangents)
 
   try:
     program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
@@ -523,7 +523,7 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
                   f"({error}); the summary has no backward pass.", stacklevel=2)
     program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
     cotangents = range(0)
-  ran = internals.operations_ran(program, cotangents)
+  ran = internals.operations_ran(program, cotangents, forward_outputs=len(shapes))
   counts = collections.Counter((r.name, r.dtype.name, r.backward) for r in ran)
   keys = sorted({(name, dtype) for name, dtype, _ in counts})
   at = collections.Counter((r.name, r.dtype.name, Location(

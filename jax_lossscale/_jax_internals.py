@@ -670,28 +670,82 @@ class Ran:
   source: Source = Source()
 
 
-def operations_ran(program: Program, backward_inputs: Sequence[int]) -> list[Ran]:
+def operations_ran(program: Program, backward_inputs: Sequence[int],
+                   forward_outputs: int | None = None) -> list[Ran]:
   """The floating operations of `program` and of every program inside it, once per
   occurrence in the program (a loop body's once); those that depend on the inputs at
-  positions `backward_inputs` (the cotangents) are in the backward pass."""
+  positions `backward_inputs` (the cotangents) are in the backward pass.
+
+  With `forward_outputs`, the first that many outputs of `program` are the forward pass's
+  and the others the backward pass's: an operation that only the backward pass's outputs
+  need is in the backward pass too, though it reads only forward values (the count of a
+  max's ties, the `cos` of a `sin`'s derivative).
+  """
   jaxpr = jaxpr_of(program)
+  outputs = len(jaxpr.outvars)
+  forward = outputs if forward_outputs is None else forward_outputs
   found: list[Ran] = []
-  _ran(jaxpr, {jaxpr.invars[i] for i in backward_inputs}, False, Source(), found)
+  _ran(jaxpr, {jaxpr.invars[i] for i in backward_inputs}, False, Source(), found,
+       [i < forward for i in range(outputs)], [i >= forward for i in range(outputs)])
   return found
 
 
-def _ran(jaxpr: Any, tainted: set, inside_backward: bool, outer: Source, found: list) -> None:
+def _needed(jaxpr: Any, wanted: Sequence[bool]) -> tuple[dict[int, list[bool]], set]:
+  """`(results, values)`: for each equation of `jaxpr` that its outputs marked in `wanted`
+  need, by position, which of its results they need; and every value they need."""
+  values = {v for v, w in zip(jaxpr.outvars, wanted, strict=True)
+            if w and not isinstance(v, _core.Literal)}
+  results = {}
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    needs = [v in values for v in eqn.outvars]
+    if any(needs):
+      results[i] = needs
+      values.update(v for v in eqn.invars if not isinstance(v, _core.Literal))
+  return results, values
+
+
+def _inner_wanted(eqn: Equation, sub: Any, wanted: list[bool] | None) -> list[bool]:
+  """Which outputs of `sub`, a program inside `eqn`, are needed where `wanted` of `eqn`'s
+  results are: the same positions (a loop body's carry also where the next iteration
+  reads it); all where they do not correspond (a while loop's condition)."""
+  if wanted is None or not any(wanted):
+    return [False] * len(sub.outvars)
+  if len(sub.outvars) != len(wanted):
+    return [True] * len(sub.outvars)
+  inner = list(wanted)
+  body = loop(eqn)
+  if body is not None and jaxpr_of(body.body) is sub:
+    start = len(body.invariant)
+    while True:  # a carry the body reads is needed at the iteration before
+      _, values = _needed(sub, inner)
+      more = [k for k in range(body.carried)
+              if not inner[k] and sub.invars[start + k] in values]
+      if not more:
+        return inner
+      for k in more:
+        inner[k] = True
+  return inner
+
+
+def _ran(jaxpr: Any, tainted: set, inside_backward: bool, outer: Source, found: list,
+         forward: Sequence[bool], backward_only: Sequence[bool]) -> None:
   floating = lambda atoms: [a.aval.dtype for a in atoms if jnp.issubdtype(
       getattr(a.aval, "dtype", np.bool_), jnp.floating)]
-  for eqn in jaxpr.eqns:
+  for_forward, _ = _needed(jaxpr, forward)
+  for_backward, _ = _needed(jaxpr, backward_only)
+  for i, eqn in enumerate(jaxpr.eqns):
     backward = inside_backward or any(
-        not isinstance(v, _core.Literal) and v in tainted for v in eqn.invars)
+        not isinstance(v, _core.Literal) and v in tainted for v in eqn.invars) or (
+            i not in for_forward and i in for_backward)
     if backward:
       tainted.update(eqn.outvars)
     source = _source(eqn, outer)
     for program in programs(eqn):
       sub = jaxpr_of(program)
-      _ran(sub, set(sub.invars) if backward else set(), backward, source, found)
+      _ran(sub, set(sub.invars) if backward else set(), backward, source, found,
+           _inner_wanted(eqn, sub, for_forward.get(i)),
+           _inner_wanted(eqn, sub, for_backward.get(i)))
     dtypes = floating(eqn.invars) or floating(eqn.outvars)
     container = eqn.primitive.name in _PROGRAM_PARAMS or eqn.primitive.name == "shard_map"
     if dtypes and not container:  # a scatter's combiner program is part of its operation

@@ -228,7 +228,17 @@ def test_the_derivative_of_max_counts_its_ties_in_float32(order):
   np.testing.assert_allclose(jax.jit(grad)(w, TIES), jax.grad(max_loss)(w, TIES), rtol=2e-3)
 
 
-def test_every_sum_of_the_derivative_of_max_runs_in_float32():
+def test_the_summary_puts_the_derivatives_count_of_ties_in_the_backward_pass_in_float32():
   ran = jls.precision_summary(jls.autocast(max_loss), jnp.full((4, 1), 0.25), TIES[:4096])
-  assert dtypes_of(ran, "reduce_sum") | dtypes_of(ran, "reduce_sum", backward=True) == {
-      "float32"}
+  assert (ran.count("reduce_sum", jnp.float32), ran.count("reduce_sum", jnp.float16)) == (0, 0)
+  assert dtypes_of(ran, "reduce_sum", backward=True) == {"float32"}
+  assert dtypes_of(ran, "reduce_max") == {"float32"}
+
+
+def test_the_summary_puts_what_only_the_derivative_computes_in_the_backward_pass_of_a_loop():
+  def loss(w, x):
+    return jnp.sum(lax.scan(lambda h, _: (jnp.sin(h @ w), None), x, None, length=2)[0])
+
+  ran = jls.precision_summary(loss, jnp.eye(4), X[:8, :4])
+  assert (ran.count("sin", jnp.float32), ran.count("sin", jnp.float32, backward=True)) == (1, 0)
+  assert (ran.count("cos", jnp.float32), ran.count("cos", jnp.float32, backward=True)) == (0, 1)

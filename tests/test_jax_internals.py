@@ -258,6 +258,17 @@ def test_operations_that_depend_on_the_cotangents_are_the_backward_pass():
   assert all(r.dtype == np.float32 for r in ran)
 
 
+def test_operations_that_only_the_backward_outputs_need_are_the_backward_pass():
+  def forward_and_backward(x, cotangent):
+    out, pullback = jax.vjp(lambda x: jnp.sin(x @ x), x)
+    return out, pullback(cotangent)
+
+  program, _ = internals.trace(forward_and_backward, [jnp.ones((2, 2)), jnp.ones((2, 2))])
+  ran = internals.operations_ran(program, [1], forward_outputs=1)
+  assert {r.name for r in ran if not r.backward} == {"dot_general", "sin"}
+  assert {r.name for r in ran if r.backward} >= {"dot_general", "mul", "cos"}
+
+
 def test_a_tracer_is_reverse_differentiable_where_its_differentiation_encloses_the_code(
     maybe_jit):
   mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
