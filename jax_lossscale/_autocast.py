@@ -374,8 +374,8 @@ class Location(NamedTuple):
   """Where operations were written, in a precision summary.
 
   Attributes:
-    scope: their name scope (`jax.named_scope`, a flax linen module path), its parts
-      joined by `/`; empty where none.
+    scope: their name scope (`jax.named_scope`, a flax linen module path such as
+      `MLP/hidden`, equinox's module names), its parts joined by `/`; empty where none.
     file: the source file of the innermost line of your code that made them (outside
       JAX, the standard library and installed packages, unless all lines are in one);
       empty where JAX did not record it.

@@ -501,6 +501,15 @@ def test_flax_linen_apply_runs_its_dense_layers_in_float16():
                              rtol=2e-2)
 
 
+def test_the_summary_locates_flax_linen_layers_by_their_module_path():
+  model = LinenMLP()
+  variables = model.init(jax.random.key(0), X)
+  ran = summary(jls.autocast(lambda v, x: jnp.sum(model.apply(v, x))), variables, X)
+  for backward in (False, True):
+    assert {loc.scope for loc in ran.locations("dot_general", F16, backward)} == {
+        "LinenMLP/hidden", "LinenMLP/out"}
+
+
 def test_probes_on_an_autocast_linen_loss_still_name_each_layer():
   model = LinenMLP()
   params = model.init(jax.random.key(0), X)["params"]
