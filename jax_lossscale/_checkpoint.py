@@ -40,7 +40,7 @@ def restore_state(saved: Any, like: Any) -> Any:
       `serialization.msgpack_restore`), or a tree of today's layout.
     like: what to restore into: `tx.init(params)`, or a larger tree holding it
       (`{"params": params, "opt_state": tx.init(params)}`); arrays or
-      `jax.ShapeDtypeStruct`s. Its configuration is the one restored: the loss scale's
+      `jax.ShapeDtypeStruct` values. Its configuration is the one restored: the loss scale's
       hyperparameters and the dtypes of the inner state come from it.
 
   Returns:

@@ -631,7 +631,9 @@ def loss_scaling(
       proportional to the distance, independently per entry: the expected parameter is
       the exact sum) or `"compensated"` (Kahan summation: a buffer of each such
       parameter's dtype, in the state, keeps what the write rounded away and adds it
-      back at the next step). float32 parameters are written as they are. `update`
+      back at the next step). With either, the optimizer's state kept in the parameters'
+      dtype is computed in float32 too (in bfloat16, Adam's decay 0.999 is 1.0) and
+      written back in it. float32 parameters are written as they are. `update`
       returns updates, which `optax.apply_updates` would round to nearest: with
       `"stochastic"` or `"compensated"` it refuses parameters narrower than float32
       (and `params=None`); use `apply_gradients`. See docs/bfloat16.md.
