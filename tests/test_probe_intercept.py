@@ -82,7 +82,7 @@ def named(modules):
   return [(module, {"name": "/".join(map(str, path))}) for path, module in modules.items()]
 
 
-def test_nnx_a_copy_of_probed_classes_keeps_them_inside_nnx_jit_and_nnx_scan():
+def test_nnx_the_copys_layers_keep_their_probed_class_inside_nnx_jit_and_nnx_scan():
   model = stack(nnx.Rngs(0))
   calls = []
 
@@ -147,9 +147,12 @@ def test_nnx_what_the_loss_changes_in_the_copy_reaches_the_model():
   model = Normed(nnx.Rngs(0))
   with intercept.nnx_probed(model, lambda m, call, a, k: call(*a, **k), named) as copy:
     copy(jnp.arange(6.0).reshape(3, 2))
+    copy.norm.calls = nnx.Variable(jnp.ones(()))
   assert jnp.allclose(model.norm.mean[...], 0.01 * jnp.array([2.0, 3.0])), (  # momentum 0.99
-      f"{FLAX}: nnx.split and nnx.merge no longer share the Variables, or nnx.update no "
-      "longer gives the model the copy's state")
+      f"{FLAX}: nnx.split and nnx.merge no longer share the model's Variables")
+  assert model.norm.calls[...] == 1, (
+      f"{FLAX}: nnx.update no longer gives the model a Variable added to the copy")
+  assert type(model.norm) is nnx.BatchNorm and not hasattr(model.norm, "_probe_name")
 
 
 # --- equinox ------------------------------------------------------------------------
