@@ -46,8 +46,8 @@ GROUPS = {
 
 @contextlib.contextmanager
 def unprobed(classes):
-  """While tracing, the NNX adapter leaves these classes' outputs unprobed (it does not
-  wrap a `__call__` marked as probing already)."""
+  """While tracing, the NNX adapter leaves these classes' outputs unprobed (it gives no
+  probed subclass to a class whose `__call__` is marked as probing already)."""
   calls = [cls.__call__ for cls in classes]
   for call in calls:
     call._probes_output = True

@@ -1,6 +1,8 @@
-"""Probes placed automatically on every equinox module's output: a probed view of the
+"""Probes placed automatically on every equinox module's output: a probed copy of the
 model, stacked layers with a row each, stateful layers, and a model combined in the loss.
 """
+
+import threading
 
 import chex
 import equinox as eqx
@@ -190,15 +192,15 @@ def test_equinox_stateful_layers_are_probed_and_change_nothing():
       ("seq/layers/0", 16), ("seq/layers/1", 16), ("norm", 16)]
 
 
-def test_equinox_a_model_partitioned_outside_the_loss_is_probed_when_combined_in_it():
-  # The loss's eqx.combine(diff, static) failed: the probed view of `diff` had wrappers
-  # where `static` had modules (ValueError: pytree structure error).
+def test_equinox_a_model_partitioned_outside_the_loss_is_given_to_it_when_combined_in_it():
+  # The loss's eqx.combine(diff, static) fails with the probed copy of `diff`, whose
+  # layers' classes are not those of `static` (ValueError: pytree structure error): the
+  # loss gets `diff` itself, whose modules it combines and calls unprobed.
   model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
   diff, static = eqx.partition(model, eqx.is_inexact_array)
   loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x))
-  assert hits_like_unprobed(jax.value_and_grad, pr.equinox_probes, loss, diff, X) == [
-      ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
-  assert not hasattr(eqx.nn.Linear.__call__, "_probes_output")  # the class restored
+  assert hits_like_unprobed(jax.value_and_grad, pr.equinox_probes, loss, diff, X) == []
+  assert not hasattr(eqx.nn.Linear.__call__, "_probes_output")  # the class untouched
 
 
 def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
@@ -217,11 +219,11 @@ def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
       ("layers/0", 16), ("layers/1", 16), ("MLP", 16)]
 
 
-def test_equinox_found_at_call_time_another_model_of_the_same_class_is_not_probed():
+def test_equinox_another_model_of_the_same_class_in_the_loss_is_not_probed():
   # The loss combines a stack partitioned outside it (so it gets the model itself) and
-  # also runs a teacher block of the same class and shapes as one layer. Only modules
-  # whose arrays are the model's own are probed: the scan's slices are made anew, so
-  # nothing is; the teacher was once counted as the stack's layers (4 hits for 3).
+  # also runs a teacher block of the same class and shapes as one layer: neither is the
+  # probed copy, and nothing is probed (the teacher was once counted as the stack's
+  # layers, 4 hits for 3).
   stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
   teacher = EqxBlock(jax.random.key(1))
   diff, static = eqx.partition(stack, eqx.is_array)
@@ -235,7 +237,7 @@ def test_equinox_found_at_call_time_another_model_of_the_same_class_is_not_probe
 
 
 def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
-  # The view fails first (eqx.combine with a static part of the loss's own); the loss's
+  # The probed copy fails first (eqx.combine with a static part of the loss's own); the loss's
   # own shape error, met once no option is in the way, is the one raised.
   model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
   diff, static = eqx.partition(model, eqx.is_inexact_array)
@@ -284,3 +286,45 @@ def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_chan
       loss, value_and_grad=eqx.filter_value_and_grad))(state, model, x))
   assert len(probes) >= 3 and all(int(probes[name].hits) == 0 for name in probes)
   assert diagnostics.table(probes).count("not measured") == len(probes)
+
+
+def test_equinox_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_class_changes():
+  # A probed layer was a view answering `__class__` for the layer's class, and the
+  # classes' `__call__` was replaced for the whole process while the loss was traced.
+  model = EqxModel(jax.random.key(0))
+  calls = {cls: vars(cls)["__call__"] for cls in (eqx.nn.Linear, EqxBlock, EqxModel)}
+  seen = []
+
+  def unchanged():
+    return all(vars(cls)["__call__"] is call for cls, call in calls.items())
+
+  def loss(model, x, y):
+    modules = [model, model.embed, model.blocks, model.blocks.linear, model.out]
+    seen.append(all(type(m) is m.__class__ for m in modules))
+    seen.append([cls.__name__ for cls in map(type, modules) if cls not in calls] == [
+        "ProbedEqxModel", "ProbedLinear", "ProbedEqxBlock", "ProbedLinear", "ProbedLinear"])
+    seen.append(isinstance(model.embed, eqx.nn.Linear) and isinstance(model.blocks, EqxBlock))
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(unchanged()))
+    thread.start()
+    thread.join()
+    seen.append(elsewhere == [True] and unchanged())
+    return eqx_loss(model, x, y)
+
+  pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))(
+      model, X, Y)
+  assert seen == [True] * 8  # each pass: the first and the measuring one
+
+
+def test_equinox_an_error_of_the_loss_in_the_first_pass_is_raised_at_once():
+  # It was traced again, without the probed copy, before the error was raised.
+  traces = []
+
+  def loss(model, x, y):
+    traces.append(model)
+    raise ValueError("the loss's own")
+
+  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))
+  with pytest.raises(ValueError, match="the loss's own"):
+    grad_fn(EqxModel(jax.random.key(0)), X, Y)
+  assert len(traces) == 1

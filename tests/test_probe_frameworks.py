@@ -5,11 +5,14 @@ gives stacked (scanned) layers one row each where the framework lets an index ri
 along, and locates an overflow injected into one layer's backward pass.
 """
 
+import threading
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen
 from flax import nnx
 from helpers import float16_normal
@@ -360,3 +363,44 @@ def test_nnx_a_module_held_under_two_names_is_one_row_hit_at_each_call():
                             lambda m, x: m(x).sum(), Tied(nnx.Rngs(0)), jnp.ones((2, 3)))
   assert hits == [("a", 2), ("b", 1)]
 
+
+
+def test_nnx_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_class_changes():
+  # The classes' `__call__` was replaced for the whole process while the loss was traced.
+  model = NnxModel(nnx.Rngs(0))
+  classes = {path: type(m) for path, m in nnx.iter_modules(model)}
+  calls = {cls: vars(cls)["__call__"] for cls in (nnx.Linear, NnxBlock, NnxModel)}
+  seen = []
+
+  def unchanged():
+    return all(vars(cls)["__call__"] is call for cls, call in calls.items())
+
+  def loss(model, x, y):
+    modules = dict(nnx.iter_modules(model))
+    seen.append(all(type(m) is m.__class__ and type(m).__name__ == f"Probed{cls.__name__}"
+                    and isinstance(m, cls) for path, cls in classes.items()
+                    for m in [modules[path]]))
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(unchanged()))
+    thread.start()
+    thread.join()
+    seen.append(elsewhere == [True] and unchanged())
+    return nnx_loss(model, x, y)
+
+  pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(loss))(model, X, Y)
+  assert seen == [True] * 4  # each pass: the first and the measuring one
+  assert {path: type(m) for path, m in nnx.iter_modules(model)} == classes
+
+
+def test_nnx_an_error_of_the_loss_in_the_first_pass_is_raised_at_once():
+  # It was traced again, without the stacked blocks' row index, before it was raised.
+  traces = []
+
+  def loss(model, x, y):
+    traces.append(model)
+    raise ValueError("the loss's own")
+
+  grad_fn = pr.value_and_grad_with_probes(nnx.value_and_grad, pr.nnx_probes(loss))
+  with pytest.raises(ValueError, match="the loss's own"):
+    grad_fn(NnxModel(nnx.Rngs(0)), X, Y)
+  assert len(traces) == 1

@@ -78,25 +78,33 @@ def stack(rngs, n=3):
   return nnx.split_rngs(splits=n)(nnx.vmap(in_axes=(0,), out_axes=0)(NnxLayer))(rngs)
 
 
-def test_nnx_calls_go_through_the_class_call_set_for_the_pass_inside_its_transforms():
+def named(modules):
+  return [(module, {"name": "/".join(map(str, path))}) for path, module in modules.items()]
+
+
+def test_nnx_the_copys_layers_keep_their_probed_class_inside_nnx_jit_and_nnx_scan():
   model = stack(nnx.Rngs(0))
   calls = []
 
   def on_call(module, call, args, kwargs):
-    calls.append(type(module).__name__)
+    calls.append((type(module).__name__, intercept.nnx_annotation(module, "name")))
     return call(*args, **kwargs)
 
   run = nnx.scan(lambda h, m: m(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
   jitted = nnx.jit(lambda m, x: run(x, m))
-  before = nnx.graphdef(model)
-  with intercept.calls_wrapped({NnxLayer, NnxScaled}, on_call):
-    jitted(model, jnp.ones((1, 2)))
-    NnxScaled(nnx.Rngs(1))(jnp.ones((1, 2)))  # once, not again through super().__call__
-  assert calls == ["NnxLayer", "NnxScaled"], (
-      f"{FLAX}: an NNX module's call under nnx.jit and nnx.scan no longer goes through "
-      f"type(module).__call__, which the NNX adapter replaces: {calls}")
-  assert "__call__" in vars(NnxLayer) and not hasattr(NnxLayer.__call__, intercept.MARK)
-  assert nnx.graphdef(model) == before
+  before, call = nnx.graphdef(model), NnxLayer.__call__
+  with intercept.nnx_probed(model, on_call, named) as copy:
+    assert type(copy) is copy.__class__ and isinstance(copy, NnxLayer)
+    assert NnxLayer.__call__ is call
+    jitted(copy, jnp.ones((1, 2)))
+    scaled = NnxScaled(nnx.Rngs(1))
+    with intercept.nnx_probed(scaled, on_call, named) as scaled_copy:
+      scaled_copy(jnp.ones((1, 2)))  # once, not again through super().__call__
+  assert calls == [("ProbedNnxLayer", ""), ("ProbedLinear", "linear"),
+                   ("ProbedNnxScaled", ""), ("ProbedLinear", "linear")], (
+      f"{FLAX}: a module of a subclass, made by assigning its `__class__`, is no longer "
+      f"remade of that subclass, with its attributes, by nnx.jit and nnx.scan: {calls}")
+  assert type(copy) is NnxLayer and nnx.graphdef(model) == before
 
 
 def test_nnx_an_array_set_on_a_stacked_module_is_sliced_with_its_params_and_leaves_no_trace():
@@ -108,11 +116,14 @@ def test_nnx_an_array_set_on_a_stacked_module_is_sliced_with_its_params_and_leav
     rows.append(intercept.nnx_annotation(m, "index"))
     return m(h) + intercept.nnx_annotation(m, "index"), None
 
-  with intercept.nnx_annotated([(model, {"index": jnp.arange(3), "name": "layers"})]):
-    assert intercept.nnx_annotation(model, "name") == "layers"
-    params = nnx.state(model, nnx.Param)
+  def annotations(modules):
+    return [(modules[()], {"index": jnp.arange(3), "name": "layers"})]
+
+  with intercept.nnx_probed(model, lambda m, call, a, k: call(*a, **k), annotations) as copy:
+    assert intercept.nnx_annotation(copy, "name") == "layers"
+    params = nnx.state(copy, nnx.Param)
     out = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
-        jnp.zeros((1, 2)), model)[0]
+        jnp.zeros((1, 2)), copy)[0]
   assert [jnp.shape(row) for row in rows] == [()], (
       f"{FLAX}: an nnx.Variable set as a module's attribute is no longer sliced by nnx.scan "
       "with the module's params, which gives a stacked layer its row index")
@@ -121,52 +132,33 @@ def test_nnx_an_array_set_on_a_stacked_module_is_sliced_with_its_params_and_leav
       jnp.zeros((1, 2)), model)[0]
   assert out.shape == plain.shape
   assert nnx.graphdef(model) == graphdef, (
-      f"{FLAX}: deleting the attributes no longer gives back the module's graph")
+      f"{FLAX}: the copy's attributes reached the model")
   assert jax.tree.structure(nnx.state(model)) == jax.tree.structure(state)
 
 
-def test_overlapping_probing_contexts_keep_a_class_patched_until_the_last_one_leaves():
-  # Two threads tracing at once: the first to finish restored the class while the other
-  # still traced, whose probes then went unreached or unmeasured.
-  class Layer(nnx.Module):
+def test_nnx_what_the_loss_changes_in_the_copy_reaches_the_model():
+  class Normed(nnx.Module):
+    def __init__(self, rngs):
+      self.norm = nnx.BatchNorm(2, rngs=rngs)
+
     def __call__(self, x):
-      return x
+      return self.norm(x)
 
-  original = Layer.__call__
-  def on_call(module, call, args, kwargs):
-    return call(*args, **kwargs)
-
-  first = intercept.calls_wrapped({Layer}, on_call)
-  second = intercept.calls_wrapped({Layer}, on_call)
-  first.__enter__()
-  second.__enter__()
-  first.__exit__(None, None, None)
-  assert Layer.__call__ is not original and getattr(Layer.__call__, intercept.MARK)
-  second.__exit__(None, None, None)
-  assert Layer.__call__ is original
+  model = Normed(nnx.Rngs(0))
+  with intercept.nnx_probed(model, lambda m, call, a, k: call(*a, **k), named) as copy:
+    copy(jnp.arange(6.0).reshape(3, 2))
+    copy.norm.calls = nnx.Variable(jnp.ones(()))
+  assert jnp.allclose(model.norm.mean[...], 0.01 * jnp.array([2.0, 3.0])), (  # momentum 0.99
+      f"{FLAX}: nnx.split and nnx.merge no longer share the model's Variables")
+  assert model.norm.calls[...] == 1, (
+      f"{FLAX}: nnx.update no longer gives the model a Variable added to the copy")
+  assert type(model.norm) is nnx.BatchNorm and not hasattr(model.norm, "_probe_name")
 
 
 # --- equinox ------------------------------------------------------------------------
 
 
-def test_equinox_calls_go_through_the_class_call_set_for_the_pass():
-  mlp = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
-  calls = []
-
-  def on_call(module, call, args, kwargs):
-    calls.append(type(module).__name__)
-    return call(*args, **kwargs)
-
-  with intercept.calls_wrapped({eqx.nn.MLP, eqx.nn.Linear}, on_call):
-    jax.vmap(mlp)(jnp.ones((3, 2)))
-  assert calls == ["MLP", "Linear", "Linear"], (
-      f"{EQUINOX}: a module's call no longer goes through type(module).__call__ set on the "
-      f"class after it was made, which the equinox adapter replaces: {calls}")
-  assert "__call__" in vars(eqx.nn.Linear) and not hasattr(eqx.nn.Linear.__call__, intercept.MARK)
-
-
-def test_equinox_a_view_reads_as_its_module_and_its_index_is_sliced_by_a_scan():
-  View = intercept.equinox_view_class()
+def test_equinox_a_probed_module_reads_as_its_module_and_its_index_is_sliced_by_a_scan():
   layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(2, 2, key=k))(jax.random.split(
       jax.random.key(0), 3))
   seen = []
@@ -175,53 +167,69 @@ def test_equinox_a_view_reads_as_its_module_and_its_index_is_sliced_by_a_scan():
     seen.append((jnp.shape(index), tag))
     return out
 
-  view = View(layers, jnp.arange(3), "layers", on_output)
-  assert isinstance(view, eqx.nn.Linear) and view.in_features == 2, (
-      f"{EQUINOX}: a Module's `__class__` property or `__getattr__` no longer reads through")
-  dynamic, static = eqx.partition(view, eqx.is_array)
+  probed = intercept.equinox_probed(layers, jnp.arange(3), "layers", on_output)
+  assert type(probed) is probed.__class__ and isinstance(probed, eqx.nn.Linear)
+  assert probed.in_features == 2 and probed.weight is layers.weight, (
+      f"{EQUINOX}: a Module subclass's instance made by setting its fields lost them")
+  dynamic, static = eqx.partition(probed, eqx.is_array)
   lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), jnp.ones(2), dynamic)
-  eqx.filter_jit(lambda v, x: v(x))(
-      jax.tree.map(lambda a: a[0], view), jnp.ones(2))
+  eqx.filter_jit(lambda v, x: v(x))(jax.tree.map(lambda a: a[0], probed), jnp.ones(2))
   assert seen == [((), "layers"), ((), "layers")], (
-      f"{EQUINOX}: a view's fields no longer split, scan and jit as a module's: {seen}")
+      f"{EQUINOX}: a probed module's fields no longer split, scan and jit as a module's: "
+      f"{seen}")
+  assert "probe_index" not in vars(eqx.nn.Linear) and not hasattr(
+      eqx.nn.Linear.__call__, intercept.MARK)
 
 
-def test_equinox_modules_of_the_model_are_found_at_call_time_by_their_arrays():
-  mlp = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
-  other = eqx.nn.Linear(2, 2, key=jax.random.key(1))
-  found = []
-
-  def on_call(module, path):
-    found.append(tuple(str(key) for key in path))
-    return module
-
-  with intercept.equinox_calls(mlp, on_call):
-    mlp.layers[1](mlp.layers[0](jnp.ones(2)))
-    other(jnp.ones(2))
-  assert found == [(".layers", "[0]"), (".layers", "[1]")], (
-      f"{EQUINOX}: a module's arrays no longer keep their identity in its tree, or its "
-      f"layers' key paths changed: {found}")
+def test_equinox_combining_a_probed_module_with_its_modules_static_part_is_recognized():
+  # The first pass gives the probed copy up on this error only.
+  linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+  probed = intercept.equinox_probed(linear, None, "linear", lambda out, index, tag: out)
+  static = eqx.partition(linear, eqx.is_array)[1]
+  with pytest.raises(ValueError) as raised:
+    eqx.combine(probed, static)
+  assert intercept.refuses_probed_modules(raised.value), (
+      f"{EQUINOX}, jax {jax.__version__}: the pytree structure error no longer names the "
+      f"probed class: {raised.value}")
+  assert not intercept.refuses_probed_modules(ValueError("a loss's own"))
 
 
 # --- the first pass -----------------------------------------------------------------
 
 
-def test_the_first_pass_is_retried_only_without_options_that_a_failed_attempt_used():
+def test_the_first_pass_gives_up_the_probed_copy_only_when_the_loss_refuses_it():
   tried = []
+  linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+  probed = intercept.equinox_probed(linear, None, "linear", lambda out, index, tag: out)
 
-  def attempt(options, used):
+  def attempt(options):
     tried.append(options)
     if options.views:
-      used.add("views")
-      raise ValueError("the view")
-    return "found"
+      eqx.combine(probed, eqx.partition(linear, eqx.is_array)[1])
+    return "found", False
 
   assert intercept.first_pass(attempt) == (intercept.Options(True, False), "found")
   assert tried == [intercept.Options(True, True), intercept.Options(True, False)]
 
-  def failing(options, used):
-    del options, used
-    raise KeyError("the loss's own")
 
-  with pytest.raises(KeyError, match="the loss's own"):
+def test_the_first_pass_raises_any_other_error_at_once():
+  tried = []
+
+  def failing(options):
+    tried.append(options)
+    raise ValueError("the loss's own")
+
+  with pytest.raises(ValueError, match="the loss's own"):
     intercept.first_pass(failing)
+  assert tried == [intercept.Options(True, True)]
+
+
+def test_the_first_pass_is_traced_again_without_rows_after_a_stack_of_stacks():
+  tried = []
+
+  def attempt(options):
+    tried.append(options)
+    return "found", options.rows
+
+  assert intercept.first_pass(attempt) == (intercept.Options(False, True), "found")
+  assert tried == [intercept.Options(True, True), intercept.Options(False, True)]

@@ -10,8 +10,8 @@ its gradient. The probed function's loss is traced twice:
 1. The first pass (`jax.make_jaxpr` of the loss) finds the probes: each one's name, rows
    (`length`) and size, and each hit, marked in the program so that the loops around it,
    and hence the forward order of its rows, can be read back. The framework adapters'
-   options (a row index for stacked layers, equinox's probed view) are on in this pass,
-   and turned off if it fails with them.
+   options (a row index for stacked layers, equinox's probed copy) are on in this pass;
+   it is traced again without one where the loss cannot take it (`_intercept.first_pass`).
 2. The second pass is the differentiation itself. Each probe has a zero "stats" input,
    carried with the first differentiated argument; the probe, a `custom_vjp` identity,
    measures its activation on the way forward and its gradient on the way back, and the
@@ -22,9 +22,9 @@ Modules, each importing only those listed before it:
 * `stats`: what a probe measures of one tensor and its gradient, and how the sums over
   its hits read back (`ProbeSummary`).
 * `order`: the forward order of the probes' rows, read from the first pass's program.
-* `_intercept`: every way the adapters reach inside flax and equinox (classes' calls
-  wrapped, NNX modules annotated, equinox views, modules found by their arrays), and the
-  first pass retried without the adapters' options.
+* `_intercept`: every way the adapters reach inside flax and equinox (linen's hook; for
+  NNX and equinox, a copy of the model whose layers are of probed subclasses of their
+  classes), and the options the first pass works with.
 * `core`: `probe`, `Probes`, the two passes (`value_and_grad_with_probes`) and
   `all_reduce_probes`.
 * `outputs`: what every adapter does with a module: its output probed under its name.

@@ -1,37 +1,35 @@
 """Framework interception: every way the probe adapters reach inside flax and equinox.
 
 The adapters decide what to probe and how to name it; the mechanisms that let them see a
-module's call, and what each relies on in its framework, are here. Each is undone when
-its context exits, and tests/test_probe_intercept.py pins what it relies on, on every
-supported flax and equinox version.
+module's call, and what each relies on in its framework, are here. None changes a class
+or a module the caller holds: the loss is given a copy of the model, whose layers are of
+probed subclasses of their own classes. tests/test_probe_intercept.py pins what each
+relies on, on every supported flax and equinox version.
 
 * flax linen, `linen_calls`: linen's own hook, `nn.intercept_methods`. Relies on the
   interceptor being given `(next_fun, args, kwargs, context)`, with the module called and
   the method's name in `context.module` and `context.method_name`.
-* flax NNX and equinox, `calls_wrapped`: a class's `__call__` replaced while a pass runs
-  (as `nnx.capture(method_outputs=...)` does); neither framework has a hook that can change
-  every module's output. Relies on a module's call going through `type(module).__call__`,
-  set on the class after it was made.
-* flax NNX, `nnx_annotated`: values set as attributes of the model's modules for the pass.
-  Relies on an `nnx.Variable` attribute being part of the module's state, which `nnx.scan`
-  and `nnx.vmap` slice with its params (a row index rides along with a stacked layer), and
-  on deleting the attributes giving back the model's graph as it was.
-* equinox, `equinox_view_class`: a module that wraps a layer of a view of the model, whose
-  attributes read through to the layer and whose `__class__` is the layer's, so that the
-  loss's `isinstance` checks and attribute reads see the model. Relies on equinox leaving
-  `__getattr__` and a `__class__` property of a `Module` subclass in place.
-* equinox, `equinox_calls`: where the loss cannot take a view, the model's modules are
-  found when called, by the `id()` of their arrays: an equinox module is a pytree, rebuilt
-  by every `tree_map` or `combine`, and its arrays are the one identity it keeps.
-* `first_pass`: the first pass retried without the adapters' options (a row index,
-  equinox's view) when it fails after using one (why, in its docstring).
+* flax NNX, `nnx_probed`: a copy of the model (NNX's split and merge, which share its
+  Variables) whose callable modules are of a probed subclass of their class, with values
+  set as attributes for the pass. Relies on an NNX module's class being assignable to a
+  subclass, on `nnx.split`/`nnx.merge` inside the loss's transforms remaking a module of
+  the class and attributes it has (a static attribute in its graph, an `nnx.Variable` in
+  its state, which `nnx.scan` and `nnx.vmap` slice with its params), and on `nnx.update`
+  giving the model what the loss changed in the copy.
+* equinox, `equinox_probed`: a layer remade as an instance of a probed subclass of its
+  class, with two more fields: a row index (sliced with the layer's arrays by a scan over
+  a stack) and a static tag. Relies on a `Module` subclass adding fields that keep
+  defaults, and on a module being made by setting its fields (as its unflattening does).
+* `first_pass`: the options the first pass works with (why, in its docstring).
+
+A module of a probed class is never probed again, nor is one whose class's `__call__`
+carries `MARK`: set by hand, it leaves a class's calls as they are (the probes benchmark
+leaves groups of classes unprobed so).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import threading
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -40,61 +38,34 @@ from typing import NamedTuple
 
 import jax
 
-# On a wrapping `__call__`; set by hand, it leaves a class's calls as they are (the probes
-# benchmark leaves groups of classes unprobed so).
 MARK = "_probes_output"
-
-_PATCHED: dict[type, list] = {}  # class -> [contexts inside, its own `__call__` or None]
-_PATCHING = threading.Lock()
 
 OnCall = Callable[[Any, Callable[..., Any], tuple, dict], Any]
 
-
-@contextlib.contextmanager
-def calls_wrapped(classes, on_call: OnCall) -> Iterator[None]:
-  """Inside it, calling an instance `module` of one of `classes` runs
-  `on_call(module, call, args, kwargs)`, `call(*args, **kwargs)` being its own call.
-
-  Through `super().__call__`, only the outermost class's call is hooked. A class whose
-  `__call__` is marked (`MARK`: a subclass of a wrapped class, or one left unprobed) is
-  left as it is. Threads tracing at once share the patch: the first context in patches a
-  class, the last out restores it; `on_call` must tell its own context's modules (the
-  first context's `on_call` serves them all).
-  """
-  entered = []
-  with _PATCHING:
-    for cls in classes:
-      if cls in _PATCHED:
-        _PATCHED[cls][0] += 1
-      elif getattr(cls.__call__, MARK, False):
-        continue
-      else:
-        _PATCHED[cls] = [1, cls.__dict__.get("__call__")]
-        cls.__call__ = _wrapped(cls.__call__, on_call)
-      entered.append(cls)
-  try:
-    yield
-  finally:
-    with _PATCHING:
-      for cls in entered:
-        _PATCHED[cls][0] -= 1
-        if not _PATCHED[cls][0]:
-          own = _PATCHED.pop(cls)[1]
-          if own is None:
-            del cls.__call__
-          else:
-            cls.__call__ = own
+_PROBED: dict[tuple, type] = {}  # (framework, class, hook) -> its probed subclass
+_PROBED_LOCK = threading.Lock()
 
 
-def _wrapped(call: Callable[..., Any], on_call: OnCall) -> Callable[..., Any]:
-  @functools.wraps(call)
-  def __call__(self, *args, **kwargs):
-    if type(self).__call__ is not __call__:  # through super().__call__: its own call
-      return call(self, *args, **kwargs)
-    return on_call(self, functools.partial(call, self), args, kwargs)
+def probeable(module: Any) -> bool:
+  """Whether `module` is a layer to probe: callable, of a class neither probed already
+  nor marked to be left as it is (`MARK`)."""
+  return callable(module) and not getattr(type(module).__call__, MARK, False)
 
-  setattr(__call__, MARK, True)
-  return __call__
+
+def _probed_class(key: tuple, make: Callable[[], type]) -> type:
+  """The probed subclass `make()` makes, made once per `key`: the loss's jits see one
+  class, whose instances then hit their caches."""
+  with _PROBED_LOCK:
+    if key not in _PROBED:
+      cls = make()
+      setattr(cls.__call__, MARK, True)
+      _PROBED[key] = cls
+    return _PROBED[key]
+
+
+def _name_after(probed: type, cls: type) -> type:
+  probed.__name__ = probed.__qualname__ = f"Probed{cls.__name__}"
+  return probed
 
 
 # --- flax linen ---------------------------------------------------------------------
@@ -117,12 +88,55 @@ def linen_calls(on_call: Callable[[Any, str, Callable[[], Any]], Any]):
 _ANNOTATION = "_probe_{}"
 
 
+def nnx_probed_class(cls: type, on_call: OnCall) -> type:
+  """A subclass of NNX module class `cls` whose call of `module` runs
+  `on_call(module, call, args, kwargs)`, `call` being `cls`'s call of `module`."""
+
+  def make():
+    class Probed(cls):
+      def __call__(self, *args, **kwargs):
+        return on_call(self, super().__call__, args, kwargs)
+
+    return _name_after(Probed, cls)
+
+  return _probed_class(("nnx", cls, on_call), make)
+
+
 @contextlib.contextmanager
-def nnx_annotated(annotations: list[tuple[Any, dict[str, Any]]]) -> Iterator[None]:
-  """For each `(module, {key: value})`, the values set on the NNX module for the pass
-  (read by `nnx_annotation`), deleted on exit. An array is held in an `nnx.Variable`:
-  `nnx.scan` slices it with the module's params, so a stacked layer's index reads as its
-  own row."""
+def nnx_probed(model: Any, on_call: OnCall,
+               annotations: Callable[[dict], list[tuple[Any, dict[str, Any]]]]
+               ) -> Iterator[Any]:
+  """A copy of NNX `model` in which each layer (`probeable`) is of its probed subclass
+  (`nnx_probed_class`) and `annotations(modules)` are set on the modules (a dict of the
+  copy's modules by path; read by `nnx_annotation`).
+
+  The copy shares `model`'s Variables. On exit its classes are restored and the
+  annotations deleted; on a normal exit, what else the loss added to it (an
+  `nnx.Module.sow`) is given to `model` with `nnx.update`.
+  """
+  from flax import nnx
+
+  copy = nnx.merge(*nnx.split(model))
+  modules = dict(nnx.iter_modules(copy))
+  values = annotations(modules)
+  classes = {id(module): (module, type(module)) for module in modules.values()
+             if probeable(module)}
+  try:
+    for module, cls in classes.values():
+      object.__setattr__(module, "__class__", nnx_probed_class(cls, on_call))
+    with _nnx_annotated(values):
+      yield copy
+  finally:
+    for module, cls in classes.values():
+      object.__setattr__(module, "__class__", cls)
+  nnx.update(model, nnx.state(copy))
+
+
+@contextlib.contextmanager
+def _nnx_annotated(annotations: list[tuple[Any, dict[str, Any]]]) -> Iterator[None]:
+  """For each `(module, {key: value})`, the values set on the NNX module (read by
+  `nnx_annotation`), deleted on exit. An array is held in an `nnx.Variable`: `nnx.scan`
+  slices it with the module's params, so a stacked layer's index reads as its own row."""
   from flax import nnx
 
   try:
@@ -139,8 +153,8 @@ def nnx_annotated(annotations: list[tuple[Any, dict[str, Any]]]) -> Iterator[Non
 
 
 def nnx_annotation(module: Any, key: str) -> Any:
-  """The value `nnx_annotated` set on `module` under `key` (an array's row, inside a
-  scan over its stack), or None."""
+  """The value `nnx_probed` set on `module` under `key` (an array's row, inside a scan
+  over its stack), or None."""
   value = getattr(module, _ANNOTATION.format(key), None)
   return value.get_value() if hasattr(value, "get_value") else value
 
@@ -148,96 +162,49 @@ def nnx_annotation(module: Any, key: str) -> Any:
 # --- equinox ------------------------------------------------------------------------
 
 
-@functools.cache  # one class, made when equinox is first needed
-def equinox_view_class() -> type:
-  """`View(module, index, tag, on_output)`: an equinox module whose call is
-  `on_output(module(*args, **kwargs), index, tag)`.
-
-  `index` (an array or None) is a field like the module's own, sliced with its arrays by
-  a scan over a stack; `tag` and `on_output` are static. Attributes read through to
-  `module`, and its `__class__` is `module`'s: `isinstance(view, type(module))` holds.
-  """
+def equinox_probed_class(cls: type, on_output: Callable[[Any, Any, Any], Any]) -> type:
+  """A subclass of equinox module class `cls`, with two more fields: `probe_index` (an
+  array or None; sliced with the module's arrays by a scan over a stack) and
+  `probe_tag` (static). Its call is `on_output(out, probe_index, probe_tag)`, `out`
+  being `cls`'s call."""
   import equinox as eqx
 
-  class View(eqx.Module):
-    module: Any
-    index: jax.Array | None
-    tag: Any = eqx.field(static=True)
-    on_output: Callable[..., Any] = eqx.field(static=True)
+  def make():
+    class Probed(cls):
+      probe_index: jax.Array | None = None
+      probe_tag: Any = eqx.field(static=True, default=None)
 
-    def __call__(self, *args, **kwargs):
-      return self.on_output(self.module(*args, **kwargs), self.index, self.tag)
+      def __call__(self, *args, **kwargs):
+        return on_output(super().__call__(*args, **kwargs), self.probe_index,
+                         self.probe_tag)
 
-    def __getattr__(self, attribute):
-      if attribute == "module":  # not set yet: no recursion
-        raise AttributeError(attribute)
-      return getattr(self.module, attribute)
+    return _name_after(Probed, cls)
 
-    @property
-    def __class__(self):
-      return type(self.module)
-
-  return View
+  return _probed_class(("equinox", cls, on_output), make)
 
 
-_FOUND = contextvars.ContextVar("probes_equinox_calls", default=None)
+def equinox_probed(module: Any, index: jax.Array | None, tag: Any,
+                   on_output: Callable[[Any, Any, Any], Any]) -> Any:
+  """`module` remade as an instance of its probed subclass (`equinox_probed_class`),
+  its fields its own, with `index` and `tag`."""
+  probed = object.__new__(equinox_probed_class(type(module), on_output))
+  for name, value in vars(module).items():
+    object.__setattr__(probed, name, value)
+  object.__setattr__(probed, "probe_index", index)
+  object.__setattr__(probed, "probe_tag", tag)
+  return probed
 
 
-@contextlib.contextmanager
-def equinox_calls(model: Any, on_call: Callable[[Any, tuple], Callable[..., Any]]):
-  """Inside it, a call of one of `model`'s layers (callable modules) runs as
-  `on_call(module, path)(*args, **kwargs)`, `path` its key path in `model`; what that
-  calls runs as it is (its own wrappers probe inside it).
-
-  A module is one of `model`'s if its arrays are `model`'s own at its path: not another
-  model's of the same class, nor arrays made anew inside the loss (by a jit or checkpoint,
-  or the slices of a stack it scans).
-  """
-  found = _ArrayPaths(model, on_call)
-  token = _FOUND.set(found)
-  try:
-    with calls_wrapped(found.classes, _found_call):
-      yield
-  finally:
-    _FOUND.reset(token)
-
-
-class _ArrayPaths:
-  """Where each module and array of `model` is, to find the modules the loss calls."""
-
-  def __init__(self, model, on_call):
-    import equinox as eqx
-
-    self.on_call = on_call
-    self.inside = False  # in a found module's call, whose own wrappers probe
-    modules = [((), model)]
-    for path, module in modules:  # and the submodules appended as it goes
-      sub = lambda x, module=module: isinstance(x, eqx.Module) and x is not module
-      modules += [(path + key, child) for key, child in jax.tree_util.tree_flatten_with_path(
-          module, is_leaf=sub)[0] if sub(child)]
-    self.classes = {type(m) for _, m in modules if callable(m)}
-    self.paths = {id(leaf): path for path, leaf in jax.tree_util.tree_leaves_with_path(
-        model) if eqx.is_array(leaf)}
-
-  def find(self, module) -> tuple | None:
-    """`module`'s path in the model, found by its arrays; None if not the model's."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(module):
-      at = self.paths.get(id(leaf))
-      if at is not None and at[len(at) - len(path):] == path:
-        return at[:len(at) - len(path)]
-    return None
-
-
-def _found_call(module, call, args, kwargs):
-  found = _FOUND.get()
-  path = None if found is None or found.inside else found.find(module)
-  if path is None:
-    return call(*args, **kwargs)
-  found.inside = True
-  try:
-    return found.on_call(module, path)(*args, **kwargs)
-  finally:
-    found.inside = False
+def refuses_probed_modules(error: BaseException) -> bool:
+  """Whether `error` is JAX's pytree structure error for a tree holding a probed
+  equinox module where another tree holds its module (the loss `eqx.combine`s the
+  model it is given with a static part of its own): a ValueError naming a probed
+  class."""
+  if not isinstance(error, ValueError):
+    return False
+  with _PROBED_LOCK:
+    probed = [cls for (framework, _, _), cls in _PROBED.items() if framework == "equinox"]
+  return any(repr(cls) in str(error) for cls in probed)
 
 
 # --- the first pass -----------------------------------------------------------------
@@ -248,44 +215,48 @@ class Options(NamedTuple):
 
   Attributes:
     rows: stacked modules carry a row index, for a row per layer (`stacked_rows`).
-    views: an equinox model reaches the loss as a probed view (`equinox_views`).
+    views: an equinox model reaches the loss as a probed copy (`equinox_views`).
   """
   rows: bool
   views: bool
 
 
-_FALLBACKS = (Options(True, True), Options(False, True), Options(True, False),
-              Options(False, False))
+def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options, Any]:
+  """`(options, result)` of the first `attempt(options)` that returns
+  `(result, nested=False)`, the options all on first.
 
+  Two outcomes turn one option off and try again, each at most once:
 
-def first_pass(attempt: Callable[[Options, set], Any]) -> tuple[Options, Any]:
-  """`(options, attempt(options, used))` for the first `options` it returns with: all
-  on, then each option that the failed attempts used (`attempt` adds its name to
-  `used`) turned off. If none works, the last error is raised: the loss's own, once no
-  option is in the way.
+  * `nested`: a scan inside a scan sliced a stacked module's row index twice (a stack
+    of stacks). Rows are turned off: the probes in the stack sum over its layers.
+  * The attempt raised the error of a loss that combines the probed equinox copy it is
+    given with a static part of its own (`refuses_probed_modules`). The copy is turned
+    off: the loss is given the model itself, its modules unprobed. If the loss then
+    fails too, its error is raised, with a note of the first.
 
-  Retried on any exception, because the options change the model the loss is given and
-  the loss's own code, or the framework's, may fail with them: a stack of stacks scanned
-  twice slices the row index twice (an IndexError, from the scan), a loss that
-  `eqx.combine`s the view with a static part of its own finds wrappers where it had
-  modules (a ValueError, from the trees' structure check). Nothing tells these apart
-  from the loss's own errors before it runs, and their types are the frameworks', which
-  change between versions. An attempt that used no option is not retried.
+  Any other error is the loss's own (or the framework's), raised at once.
   """
-  errors, used = [], set()
-  for options in _FALLBACKS:
-    if any(not on and name not in used for name, on in zip(Options._fields, options,
-                                                           strict=True)):
-      continue  # turning off an option that was not used changes nothing
-    tried = set()
-    try:
-      return options, attempt(options, tried)
-    except Exception as error:  # retried, or raised below: see above
-      errors.append(error)
-      used |= tried
-      if not tried:
-        break
-  if len(errors) > 1:
-    errors[-1].add_note(f"probes: the first pass also failed with the adapters' stacked "
-                        f"rows or equinox views: {type(errors[0]).__name__}: {str(errors[0]):.300}")
-  raise errors[-1]
+  options = Options(rows=True, views=True)
+  try:
+    return _settled(attempt, options)
+  except ValueError as error:
+    if not refuses_probed_modules(error):
+      raise
+    refused = error
+  try:
+    return _settled(attempt, options._replace(views=False))
+  except Exception as error:  # the loss's own: raised, with a note of the first
+    error.add_note(f"probes: the first pass also failed with the probed copy of an "
+                   f"equinox model (equinox views): {type(refused).__name__}: "
+                   f"{str(refused):.300}")
+    raise
+
+
+def _settled(attempt: Callable[[Options], tuple[Any, bool]], options: Options):
+  """`(options, result)` of `attempt(options)`, tried again without rows if it found
+  a stack of stacks."""
+  result, nested = attempt(options)
+  if nested and options.rows:
+    options = options._replace(rows=False)
+    result, _ = attempt(options)
+  return options, result

@@ -101,7 +101,8 @@ class _Discovery:
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
   views: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_views`
-  used: set = dataclasses.field(default_factory=set, kw_only=True)  # of those options
+  # Probes whose row index a scan inside a scan sliced twice (see `nested_stack`).
+  nested: set = dataclasses.field(default_factory=set, kw_only=True)
   # What probes returned (by id, kept alive): not probed again (a module's last output).
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)  # names, for that
@@ -196,29 +197,33 @@ def probing() -> bool:
 def stacked_rows() -> bool:
   """Whether the framework adapters give stacked modules an index, for a row per layer.
 
-  Off when the first pass failed with them: in a stack of stacks, a scan would slice the
-  inner modules' index twice. Their probes then sum over the layers.
+  Off when the first pass found a stack of stacks (`nested_stack`): the probes then sum
+  over the layers.
   """
   return _option("rows")
 
 
+def nested_stack(name: str) -> None:
+  """Tells the first pass that probe `name`'s row index was sliced by a scan inside a
+  scan over its stack (a stack of stacks): it is traced again without rows."""
+  session = _SESSION.value
+  if isinstance(session, _Discovery):
+    session.nested.add(name)
+
+
 def equinox_views() -> bool:
-  """Whether the equinox adapter hands the loss a probed view of the model.
+  """Whether the equinox adapter hands the loss a probed copy of the model.
 
   Off when the first pass failed with it: a loss that `eqx.combine`s the model with a
-  static part of its own needs the model's own structure. The adapter then finds the
-  modules the loss calls (a jit inside the loss hides them).
+  static part of its own needs the model's own classes. The loss is then given the
+  model itself, its modules unprobed.
   """
   return _option("views")
 
 
 def _option(name: str) -> bool:
   session = _SESSION.value
-  if session is None or not getattr(session, name):
-    return False
-  if isinstance(session, _Discovery):
-    session.used.add(name)
-  return True
+  return session is not None and getattr(session, name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -326,9 +331,9 @@ def _discover_with_fallbacks(fun, args, kwargs) -> tuple[dict, _Found]:
   the first pass found."""
   sessions = []
 
-  def attempt(options, used):
-    sessions.append(_Discovery({}, rows=options.rows, views=options.views, used=used))
-    return _discover(sessions[-1], fun, args, kwargs)
+  def attempt(options):
+    sessions.append(_Discovery({}, rows=options.rows, views=options.views))
+    return _discover(sessions[-1], fun, args, kwargs), bool(sessions[-1].nested)
 
   options, found = _intercept.first_pass(attempt)
   return {"rows": options.rows, "views": options.views, "skipped": sessions[-1].skipped}, found
