@@ -526,7 +526,9 @@ class LossScalingTransformation(optax.GradientTransformationExtraArgs):
     for an `optax.MultiSteps`, for instance)."""
     return self.update.inner
 
-  def apply_gradients(self, grads, state, params, *args, **extra_args):
+  def apply_gradients(self, grads: optax.Updates, state: LossScalingState,
+                      params: optax.Params, *args: Any,
+                      **extra_args: Any) -> tuple[optax.Params, LossScalingState]:
     """`update` and `optax.apply_updates`, fused into one pass; see `loss_scaling`.
 
     `loss=` and `probes=` are keyword-only, as in `update`.

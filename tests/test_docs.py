@@ -1,17 +1,20 @@
 """README, the guide and the notebooks: every Python block and code cell runs, notebooks are
-stored without outputs, every link resolves, the site builds cleanly with the notebooks
-rendered, and CI runs README's test command.
+stored without outputs, every link resolves, the site builds cleanly with the notebooks run
+(their outputs and plots on their pages), and CI runs README's test command.
 
 `transformer.ipynb` trains two of the transformer demo's runs at the sizes its test trains
 them, so it runs in `test_transformer_demo.py`, after those runs, on the programs they
 compiled.
 """
 
+import ast
 import json
 import pathlib
 import re
 import subprocess
 import sys
+import tomllib
+import types
 
 import nbformat
 import pytest
@@ -62,19 +65,25 @@ def test_notebook_is_stored_without_outputs(path):
   assert all(not cell.get("outputs") for cell in notebook.cells)
 
 
-def test_the_docs_build_without_warnings_with_the_notebooks_rendered(tmp_path):
+def test_the_docs_build_without_warnings_with_the_notebooks_run(tmp_path):
+  # As `sphinx-build docs docs/_build` builds it: myst-nb wrote the executed notebooks
+  # beside the output directory (docs/jupyter_execute/, in the checkout).
+  build = tmp_path / "_build"
   result = subprocess.run(
       [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-       str(ROOT / "docs"), str(tmp_path)],
-      capture_output=True, text=True, timeout=600)
+       str(ROOT / "docs"), str(build)],
+      capture_output=True, text=True, timeout=1800)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  api = (tmp_path / "api.html").read_text()
+  assert [path.name for path in tmp_path.iterdir()] == ["_build"]
+  api = (build / "api.html").read_text()
   for name in ("loss_scaling", "apply_gradients", "scaled_value_and_grad", "get_policy",
                "TrainState", "DynamicLossScale", "presets.pytorch"):
     assert name in api, name
   for notebook in NOTEBOOKS:
-    page = (tmp_path / "notebooks" / f"{notebook.stem}.html").read_text()
-    assert "jax_lossscale" in page, notebook.name
+    page = (build / "notebooks" / f"{notebook.stem}.html").read_text()
+    assert "jax_lossscale" in page and 'class="cell_output' in page, notebook.name
+    if notebook.stem != "porting":  # the others end in a plot
+      assert '<img alt="../_images/' in page, notebook.name
 
 
 def test_readmes_relative_links_point_at_files_of_the_repository():
@@ -97,3 +106,104 @@ def test_ci_runs_the_readme_test_command():
   command = next(line.strip() for line in ci.splitlines() if "pytest" in line)
   assert command in readme
   assert ".venv/bin/python -m jax_lossscale.demo" in readme
+
+
+def _distribution_name(name: str) -> str:
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_by(extra: str) -> set[str]:
+  """The distributions `pip install .[extra]` installs (its requirements, the package's
+  own, and theirs, as the installed packages' metadata states them)."""
+  import importlib.metadata
+
+  from packaging.requirements import Requirement
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  pending = [Requirement(r) for r in project["dependencies"] +
+             project["optional-dependencies"][extra]]
+  found = set()
+  while pending:
+    requirement = pending.pop()
+    name = _distribution_name(requirement.name)
+    if name == "jax-lossscale":
+      pending += [Requirement(r) for extra_named in requirement.extras
+                  for r in project["optional-dependencies"][extra_named]]
+    elif name not in found:
+      found.add(name)
+      try:
+        needs = importlib.metadata.requires(name) or []
+      except importlib.metadata.PackageNotFoundError:
+        continue
+      pending += [r for r in map(Requirement, needs)
+                  if r.marker is None or r.marker.evaluate({"extra": ""})]
+  return found
+
+
+def _imported_modules(code: str) -> set[str]:
+  """The absolute imports of `code`, anywhere in it."""
+  found = set()
+  for node in ast.walk(ast.parse(code)):
+    if isinstance(node, ast.Import):
+      found |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+  return found
+
+
+def _third_party_imports(modules: set[str]) -> set[str]:
+  """The top-level packages `modules` import, following the package's own modules
+  through their module-level imports."""
+  import importlib.util
+
+  found, seen, pending = set(), set(), list(modules)
+  while pending:
+    module = pending.pop()
+    top = module.split(".")[0]
+    if top != "jax_lossscale":
+      found.add(top)
+      continue
+    try:  # `module` may name a function or class of a module
+      spec = importlib.util.find_spec(module) if module not in seen else None
+    except (ImportError, AttributeError):
+      spec = None
+    seen.add(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+      continue
+    body = ast.parse(pathlib.Path(spec.origin).read_text()).body
+    pending += [name for node in body if isinstance(node, (ast.Import, ast.ImportFrom))
+                for name in _imported_modules(ast.unparse(node))]
+  return found - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def test_the_docs_extra_installs_every_package_the_guide_and_the_notebooks_import():
+  import importlib.metadata
+
+  documents = [*sorted((ROOT / "docs").glob("*.md")), *NOTEBOOKS]
+  imported = _third_party_imports(
+      {module for document in documents for _, code in blocks(document)
+       for module in _imported_modules(code)})
+  assert {"equinox", "jmp", "sklearn", "matplotlib"} <= imported  # what a guide reads
+  installed = _installed_by("docs")
+  distributions = importlib.metadata.packages_distributions()
+  missing = {top for top in imported
+             if not {_distribution_name(d) for d in distributions.get(top, [])} & installed}
+  assert not missing, f"imported by the docs, not installed by [docs]: {sorted(missing)}"
+
+
+def test_every_public_name_of_every_public_module_is_on_the_api_page():
+  import importlib
+
+  api = (ROOT / "docs" / "api.md").read_text()
+  modules = ["jax_lossscale", "jax_lossscale.diagnostics", "jax_lossscale.presets",
+             "jax_lossscale.tensorflow", "jax_lossscale.jmp", "jax_lossscale.flax"]
+  missing = []
+  for name in modules:
+    module = importlib.import_module(name)
+    for public in module.__all__:
+      if isinstance(getattr(module, public), types.ModuleType):
+        continue  # a module: documented by its own names
+      if not re.search(rf"{re.escape(name)}\.{re.escape(public)}\b|"
+                       rf"automodule:: {re.escape(name)}\n\s+:members:\n", api):
+        missing.append(f"{name}.{public}")
+  assert not missing, missing

@@ -52,3 +52,15 @@ def test_jax_is_bounded_above_by_the_range_the_library_warns_outside_of():
   assert stated == SpecifierSet(_jax_internals.SUPPORTED_JAX)
   assert any(specifier.operator == "<" for specifier in stated)
   assert Version(jax.__version__) in stated
+
+
+def test_ci_installs_torch_for_the_pytorch_parity_test_on_the_lowest_end_only():
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  [torch] = [Requirement(r) for r in project["optional-dependencies"]["parity"]]
+  assert torch.name == "torch"
+  assert not any(Requirement(r).name == "jax_lossscale" and "parity" in Requirement(r).extras
+                 for r in project["optional-dependencies"]["test"])  # no torch on 3.13
+  ci = (ROOT / ".ci" / "run").read_text()
+  legs = ci.split("PYENV_VERSION=3.13")
+  assert ".[parity]" in legs[0] and "tests/test_torch_parity.py" in legs[0]
+  assert ".[parity]" not in legs[1]

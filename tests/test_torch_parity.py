@@ -1,6 +1,7 @@
 """Optional: a real `torch.amp.GradScaler` on CPU, side by side with `presets.pytorch`.
 
-Skipped when PyTorch is not installed; the suite does not require it.
+Skipped when PyTorch is not installed; CI installs torch's CPU wheel (the `[parity]` extra)
+on Python 3.11 and runs it there (`.ci/run`).
 """
 
 import jax
