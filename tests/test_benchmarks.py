@@ -26,7 +26,9 @@ def script(name: str):
     ("compile_time", ["--leaves", "3", "--shape", "2", "--reps", "1", "--variants", "plain",
                       "unscaled in lax.cond", "updates unscaled in lax.cond"],
      "updates unscaled in lax.cond"),
-    ("end_to_end", ["--batch", "64", "--hidden", "8", "--reps", "1"], "ratio")])
+    ("end_to_end", ["--batch", "64", "--hidden", "8", "--reps", "1"], "ratio"),
+    ("fp8", ["--matmul", "32", "64", "32", "--batch", "2", "--width", "32", "--reps", "1",
+             "--layer", "32", "64", "32"], "cuBLASLt fp8 GEMM")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
   script(name).main(argv)
   assert printed in capsys.readouterr().out

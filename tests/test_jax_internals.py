@@ -305,4 +305,7 @@ def test_an_operation_tells_its_name_scope_and_traces_in_it():
       return jnp.sin(x)
 
   assert op.name_scope == "layer_1"
+  program = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(2))
+  assert {internals.Operation(e).name_scope for e in internals.equations(program)
+          if internals.primitive_name(e) == "tanh"} == {"layer_1"}  # not "jvp(layer_1)"
   assert "layer_1/sin" in jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)
