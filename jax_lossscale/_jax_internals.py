@@ -590,10 +590,13 @@ class Operation:
 
   @property
   def name_scope(self) -> str:
-    """Its name scope (`jax.named_scope`s, flax's module paths), "" if none."""
+    """Its name scope (`jax.named_scope`s, flax's module paths) without the marks of the
+    transformations around it (`jvp(...)`, `transpose(...)`), "" if none."""
     if _source_info is None:  # pragma: no cover
       return ""
-    return str(_source_info.current_name_stack())  # `evaluate` runs it in its scope
+    stack = _source_info.current_name_stack()  # `evaluate` runs it in its scope
+    return "/".join(scope.name for scope in getattr(stack, "stack", ())
+                    if isinstance(scope, _source_info.Scope))
 
   def in_scope(self) -> contextlib.AbstractContextManager:
     """A context in which what is traced takes its name scope and source, as `bind`'s:

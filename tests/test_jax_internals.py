@@ -448,3 +448,8 @@ def test_an_operation_run_by_evaluate_tells_its_name_scope_and_what_it_traces_ta
   text = jax.jit(rerun).lower(jnp.ones(2)).as_text(debug_info=True)
   assert scopes == ["layer_1"]
   assert "layer_1/sin" in text
+  differentiated = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(2))
+  seen = []
+  record = lambda op, xs: (seen.append((op.name, op.name_scope)), op.bind(xs))[1]
+  internals.evaluate(differentiated, [jnp.ones(2)], record)
+  assert {scope for name, scope in seen if name == "tanh"} == {"layer_1"}  # not "jvp(layer_1)"

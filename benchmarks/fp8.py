@@ -1,0 +1,147 @@
+"""float8 matmuls under `autocast(..., fp8=recipe)`: error, compile time, and (on a GPU) speed.
+
+Three tables:
+
+- **error**: the relative error against float32 of an M x K by K x N matmul of N(0, 1)
+  values (and of the same values times 1e-6 and 1e4, and with one row 1e5 times the
+  others: the other rows' error), per recipe and in bfloat16;
+- **compile**: the time to lower and compile the transformer demo's training step (loss,
+  gradient and Adam) under `autocast(..., bfloat16)` and under each recipe, and its ratio
+  to bfloat16's;
+- **layer** (`--layer`): one M x K by K x N layer forward and backward, jitted, in
+  bfloat16 and in each recipe, timed; and whether the compiled program calls cuBLASLt's
+  float8 GEMM (`__cublas$lt$matmul$f8` in its HLO). XLA:CPU runs float8 matmuls as
+  converts and a float32 matmul, slower than float32: this table means something on a
+  GPU (Hopper or newer) only.
+
+  python benchmarks/fp8.py                                   # the CPU figures
+  python benchmarks/fp8.py --layer 4096 8192 16384 --reps 20  # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jax_lossscale as jls
+from jax_lossscale.demo import transformer
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def relative_error(approximate, reference) -> float:
+  approximate, reference = np.asarray(approximate, np.float64), np.asarray(reference, np.float64)
+  return float(np.linalg.norm(approximate - reference) / np.linalg.norm(reference))
+
+
+def errors(m: int, k: int, n: int) -> dict[str, dict[str, float]]:
+  """`{case: {recipe or "bfloat16": relative error}}` of the m x k by k x n matmul."""
+  keys = jax.random.split(jax.random.key(0), 2)
+  x, w = jax.random.normal(keys[0], (m, k)), jax.random.normal(keys[1], (k, n))
+  cases = {"N(0,1)": x, "x 1e-6": x * 1e-6, "x 1e4": x * 1e4,
+           "outlier row (other rows)": x.at[0].multiply(1e5)}
+  table = {}
+  for case, values in cases.items():
+    reference = values @ w
+    rows = slice(1, None) if case.startswith("outlier") else slice(None)
+    table[case] = {}
+    for recipe in (None, *RECIPES):
+      out = jax.jit(jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8=recipe))(values, w)
+      table[case][recipe or "bfloat16"] = relative_error(out[rows], reference[rows])
+  return table
+
+
+def step_function(fp8, config: transformer.Config, vocab: int):
+  model = transformer.TransformerLM(config, vocab, transformer.AUTOCAST, nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tx = optax.adam(1e-3)
+  loss = jls.autocast(transformer.loss_fn, jnp.bfloat16, fp8=fp8)
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  tokens = jnp.zeros((config.batch, config.context + 1), jnp.int32)
+  return step, (params, tx.init(params), tokens)
+
+
+def compile_seconds(fp8, config: transformer.Config, vocab: int) -> float:
+  step, args = step_function(fp8, config, vocab)
+  jax.clear_caches()
+  start = time.perf_counter()
+  jax.jit(step).lower(*args).compile()
+  return time.perf_counter() - start
+
+
+def layer(m: int, k: int, n: int, reps: int) -> dict[str, tuple[float, bool]]:
+  """`{recipe or "bfloat16": (median seconds of forward + backward, calls cuBLASLt fp8)}`."""
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  w = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  c = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  out = {}
+  for recipe in (None, *RECIPES):
+    f = jls.autocast(lambda x, w: jnp.sum((x @ w) * c, dtype=jnp.float32), jnp.bfloat16,
+                     fp8=recipe)
+    grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+    compiled = grad.lower(x, w).compile()
+    jax.block_until_ready(compiled(x, w))
+    times = []
+    for _ in range(reps):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(x, w))
+      times.append(time.perf_counter() - start)
+    out[recipe or "bfloat16"] = (statistics.median(times), "f8" in compiled.as_text()
+                                 and "cublas" in compiled.as_text())
+  return out
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--matmul", type=int, nargs=3, default=(256, 1024, 512))
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--width", type=int, default=64)
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--layer", type=int, nargs=3, default=None)
+  args = parser.parse_args(argv)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {platform.processor()}")
+
+  m, k, n = args.matmul
+  print(f"\nrelative error against float32, {m}x{k} by {k}x{n}")
+  table = errors(m, k, n)
+  print(f"{'values':<26}" + "".join(f"{name:>12}" for name in ("bfloat16", *RECIPES)))
+  for case, row in table.items():
+    print(f"{case:<26}" + "".join(f"{100 * row[name]:11.2f}%" for name in row))
+
+  config = transformer.Config(batch=args.batch, width=args.width, heads=4, layers=2)
+  print(f"\ncompile time of the transformer demo's step (width {args.width}), "
+        f"median of {args.reps}")
+  seconds = {name: [] for name in ("bfloat16", *RECIPES)}
+  for _ in range(args.reps):  # interleaved
+    for recipe in (None, *RECIPES):
+      seconds[recipe or "bfloat16"].append(compile_seconds(recipe, config, 96))
+  base = statistics.median(seconds["bfloat16"])
+  for name, values in seconds.items():
+    print(f"{name:<12}{statistics.median(values):8.2f} s  {statistics.median(values) / base:5.2f}x")
+
+  if args.layer:
+    m, k, n = args.layer
+    print(f"\none {m}x{k} by {k}x{n} layer, forward and backward, median of {args.reps}")
+    results = layer(m, k, n, args.reps)
+    base = results["bfloat16"][0]
+    for name, (median, fp8_gemm) in results.items():
+      print(f"{name:<12}{1e3 * median:9.2f} ms  speedup {base / median:5.2f}x  "
+            f"cuBLASLt fp8 GEMM: {fp8_gemm}")
+
+
+if __name__ == "__main__":
+  main()
