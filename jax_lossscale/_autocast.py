@@ -193,9 +193,11 @@ def compute_dtype_of(fun: Any) -> np.dtype | None:
   where it differentiates float16 under a loss scale of 1."""
   for _ in range(100):  # a chain of wrappers, not a cycle
     dtype = getattr(fun, "_jls_autocast_dtype", None)
-    if dtype is not None or fun is None:
+    if isinstance(dtype, np.dtype):
       return dtype
     fun = fun.func if isinstance(fun, functools.partial) else getattr(fun, "__wrapped__", None)
+    if fun is None:
+      return None
   return None
 
 
