@@ -53,7 +53,7 @@ def test_stuck_message_blames_the_forward_pass_when_the_loss_is_nan():
   state = tx.init(params)
   for _ in range(3):
     _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params, loss=jnp.array(jnp.nan))
-  with pytest.raises(jls.LossScaleStuckError, match="loss itself is inf/NaN"):
+  with pytest.raises(jls.LossScaleStuckError, match="loss itself"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 
@@ -83,7 +83,7 @@ def test_nonfinite_leaf_paths_of_lists_and_dataclasses():
 @pytest.mark.parametrize("flags", [{"w": jnp.ones(2)}, {"w": jnp.array([True, False])}],
                          ids=["the_gradients", "a_vector_of_flags"])
 def test_nonfinite_leaf_paths_needs_the_flags(flags):
-  with pytest.raises(ValueError, match="boolean scalar flags"):
+  with pytest.raises(ValueError, match="nonfinite_leaf_paths"):
     jls.diagnostics.nonfinite_leaf_paths(flags)
 
 
@@ -133,7 +133,7 @@ def test_gradient_stats_takes_a_loss_scale_at_its_current_scale():
   chex.assert_trees_all_equal(
       jls.diagnostics.gradient_stats(grads, "f16", jls.DynamicLossScale(2.0**6)),
       jls.diagnostics.gradient_stats(grads, "f16", 2.0**6))
-  with pytest.raises(ValueError, match="`loss_scale` must be a real number"):
+  with pytest.raises(ValueError, match="`loss_scale`.*'x'"):
     jls.diagnostics.gradient_stats(grads, "f16", "x")
 
 
@@ -311,6 +311,5 @@ def test_a_probe_of_an_empty_activation_measures_fractions_of_zero():
 @pytest.mark.parametrize("read_out", ["summarize", "headroom", "table", "layers",
                                       "backward_overflow_origin", "forward_nonfinite_origin"])
 def test_probe_read_outs_given_gradients_are_refused_naming_probes(read_out):
-  with pytest.raises(TypeError, match=r"`probes` must be what scaled_value_and_grad\(\.\.\., "
-                                      r"probes=True\) returned .* got dict"):
+  with pytest.raises(TypeError, match=r"`probes`.*probes=True.*\bdict\b"):
     getattr(jls.diagnostics, read_out)({"w": jnp.ones(3)})

@@ -18,6 +18,8 @@ import types
 
 import nbformat
 import pytest
+from ci_script import ci_environments
+from ci_script import recorded
 from code_blocks import blocks
 from helpers import clean_env
 
@@ -97,15 +99,36 @@ def test_readmes_relative_links_point_at_files_of_the_repository():
 
 def test_readmes_first_training_step_is_the_fused_one():
   first = blocks(ROOT / "README.md")[0][1]
-  assert "tx.apply_gradients(" in first and "tx.update(" not in first
+  methods = {node.func.attr for node in ast.walk(ast.parse(first))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+  assert "apply_gradients" in methods and "update" not in methods
 
 
-def test_ci_runs_the_readme_test_command():
+def _readmes_command(word: str) -> str:
+  """The one line of README's ```bash blocks that holds `word`."""
   readme = (ROOT / "README.md").read_text()
-  ci = (ROOT / ".ci" / "run").read_text()
-  command = next(line.strip() for line in ci.splitlines() if "pytest" in line)
-  assert command in readme
-  assert ".venv/bin/python -m jax_lossscale.demo" in readme
+  [line] = [line for block in re.findall(r"^```bash\n(.*?)^```$", readme, re.M | re.S)
+            for line in block.splitlines() if word in line]
+  return line
+
+
+def test_ci_runs_the_readme_test_command(tmp_path):
+  (tmp_path / "readme").mkdir()
+  readme = [call[:2] for call in recorded(_readmes_command("pytest"), tmp_path / "readme")]
+  (tmp_path / "ci").mkdir()
+  environments = ci_environments(ROOT, tmp_path / "ci")
+  assert len(environments) == 2
+  for calls in environments:
+    assert [call[:2] for call in calls[:len(readme)]] == readme
+  assert readme[-1] == (".venv/bin/python", ("-m", "pytest"))
+
+
+def test_readmes_demo_command_runs_the_demo_module(tmp_path):
+  import importlib.util
+
+  calls = recorded(_readmes_command("jax_lossscale.demo"), tmp_path)
+  assert calls[-1].args == ("-m", "jax_lossscale.demo")
+  assert importlib.util.find_spec("jax_lossscale.demo.__main__") is not None
 
 
 def _distribution_name(name: str) -> str:

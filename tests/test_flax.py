@@ -102,7 +102,7 @@ def test_train_state_feeds_the_probes_to_a_measured_scale():
     (optax.adam(1e-2), "found 0"),
     (optax.chain(optax.scale(1.0), jls.loss_scaling(optax.sgd(1.0))), "not the outermost")])
 def test_a_tx_without_loss_scaling_outermost_is_refused_when_the_state_is_created(tx, why):
-  with pytest.raises(TypeError, match=f"`tx` must be a jax_lossscale.loss_scaling.*{why}"):
+  with pytest.raises(TypeError, match=f"`tx`.*{why}"):
     make_state(tx=tx)
 
 
@@ -181,8 +181,8 @@ def test_replaced_fields_follow_the_step_decision():
 
 
 @pytest.mark.parametrize("new_stats, match", [
-    ({"mu": jnp.zeros(2), "var": jnp.zeros(2)}, "`batch_stats` must keep the structure"),
-    ({"mean": jnp.zeros(2)}, "`batch_stats` must keep the structure")],
+    ({"mu": jnp.zeros(2), "var": jnp.zeros(2)}, "`batch_stats`"),
+    ({"mean": jnp.zeros(2)}, "`batch_stats`")],
     ids=["renamed_key", "one_leaf_fewer"])
 def test_a_replaced_field_of_another_structure_is_refused_naming_it(new_stats, match):
   # A renamed key got the old values by position on a skipped step ({"mu": old mean}),
@@ -222,16 +222,13 @@ def test_loss_scaling_states_round_trip_through_flax_serialization():
 
 
 @pytest.mark.parametrize("saved, target, match", [
-    (jls.DynamicLossScale(), jls.FixedLossScale(128.0), r"the checkpoint's loss scale has the "
-     r"fields \['current_loss_scale', 'hysteresis_left', 'num_good_steps'\], a FixedLossScale"),
-    (jls.FixedLossScale(128.0), jls.DynamicLossScale(), "the checkpoint's loss scale has the "
-     r"fields \[\], a DynamicLossScale"),
-    (jls.MeasuredLossScale(history=4), jls.MeasuredLossScale(),
-     r"the checkpoint's `maxima` has shape \(4,\), the target's \(16,\)"),
+    (jls.DynamicLossScale(), jls.FixedLossScale(128.0),
+     r"\['current_loss_scale', 'hysteresis_left', 'num_good_steps'\].*FixedLossScale"),
+    (jls.FixedLossScale(128.0), jls.DynamicLossScale(), r"\[\].*DynamicLossScale"),
+    (jls.MeasuredLossScale(history=4), jls.MeasuredLossScale(), r"`maxima`.*\(4,\).*\(16,\)"),
     (jls.DynamicLossScale(2.0**20, hysteresis=2),
      jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12),
-     r"state does not fit the target's configuration .*'max_loss_scale': 4096.0.*: "
-     r"`current_loss_scale` must be finite, within \[1.0, 4096.0\], got 1048576.0")],
+     r"'max_loss_scale': 4096.0.*`current_loss_scale`.*1048576.0")],
     ids=["extra_fields", "missing_fields", "other_history", "beyond_the_targets_limits"])
 def test_a_checkpoint_of_another_loss_scale_is_refused_not_restored_in_part(saved, target, match):
   # Extra fields were dropped (the saved dynamic scale lost), a missing one raised a bare

@@ -80,7 +80,7 @@ def test_flax_nnx_statistics_not_copied_before_the_forward_pass_are_refused():
     optimizer.update(model, grads, loss=loss)
     nnx.update(model, jls.if_applied(optimizer, nnx.state(model, nnx.BatchStat), stats))
 
-  with pytest.raises(ValueError, match="very nnx.Variable objects of `new`.*Copy them"):
+  with pytest.raises(ValueError, match="nnx.Variable.*`new`"):
     forgetful_step(model, optimizer, X.at[0, 0].set(jnp.nan), Y)
 
 

@@ -92,7 +92,7 @@ def test_min_loss_scale_survives_jit_and_tree_map_and_a_jitted_adjust_backs_off_
 
 
 def test_a_traced_min_loss_scale_is_refused_naming_it():
-  with pytest.raises(ValueError, match="`min_loss_scale` must be a concrete number"):
+  with pytest.raises(ValueError, match="`min_loss_scale`"):
     jax.jit(lambda m: jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=m))(1.0)
 
 

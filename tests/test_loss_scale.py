@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import re
 
 import chex
 import hypothesis
@@ -15,6 +14,7 @@ import reference_models
 from test_numerics import NARROW
 
 import jax_lossscale as jls
+from jax_lossscale import _jax_internals
 
 FINITE = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
 INF = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.zeros(())}
@@ -73,8 +73,8 @@ def test_non_default_multiplier_grows_and_backs_off_by_it():
 def test_a_scale_update_divides_nothing():
   # The structure that keeps the test above true on GPU: no float division at all.
   loss_scale = jls.DynamicLossScale(10, 1, 3)
-  jaxpr = str(jax.make_jaxpr(loss_scale.update)({"g": jnp.ones(3)}))
-  assert re.search(r"\bdiv\b", jaxpr) is None, jaxpr
+  program = jax.make_jaxpr(loss_scale.update)({"g": jnp.ones(3)})
+  assert "div" not in {op.name for op in _jax_internals.operations_ran(program, [])}, program
 
 
 def test_backoff_factor_is_independent_of_multiplier():

@@ -125,8 +125,7 @@ def test_bad_arguments_are_refused_naming_them(kwargs, name):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_dtype_with_float32s_range_is_refused(dtype):
   # Its limit times two overflowed float32: one overflow pinned the scale at its floor.
-  with pytest.raises(ValueError, match=rf"`dtype` must be float16 or a float8 type, got "
-                                       rf"'{dtype}', which has float32's range"):
+  with pytest.raises(ValueError, match=rf"`dtype`.*'{dtype}'"):
     jls.MeasuredLossScale(dtype=dtype)
   assert jls.MeasuredLossScale(dtype="float8_e5m2").dtype == "float8_e5m2"
 

@@ -49,7 +49,7 @@ def test_a_composition_where_loss_scaling_is_not_outermost_is_refused(make, why)
   # the scale. After it, a decay (or a schedule) still ran on skipped steps.
   state = make(jls.loss_scaling(optax.sgd(0.1))).init(PARAMS)
   for read in (jls.metrics, lambda s: jls.scaled_value_and_grad(lambda p: 0.0)(s, PARAMS)):
-    with pytest.raises(ValueError, match=f"not the outermost transformation.*{why}.*The rule"):
+    with pytest.raises(ValueError, match=f"outermost.*{why}"):
       read(state)
 
 
@@ -62,25 +62,21 @@ def test_the_state_is_found_where_loss_scaling_is_outermost(make):
 
 
 def test_without_loss_scaling_the_error_names_the_function_and_argument():
-  with pytest.raises(ValueError, match=r"metrics: `opt_state` must be the state of a "
-                                       r"jax_lossscale.loss_scaling optimizer.*found 0 in a "
-                                       r"tuple.*Is the optimizer wrapped"):
+  with pytest.raises(ValueError, match=r"`opt_state`.*found 0\b"):
     jls.metrics(optax.adam(1e-3).init(PARAMS))
 
 
 def test_if_applied_with_the_state_last_says_the_order_of_its_arguments():
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(ValueError, match=r"if_applied takes \(opt_state, new, old\)"):
+  with pytest.raises(ValueError, match=r"\(opt_state, new, old\)"):
     jls.if_applied(GOOD, PARAMS, state)
-  with pytest.raises(ValueError, match=r"if_applied: `opt_state` must be the state"):
+  with pytest.raises(ValueError, match="`opt_state`"):
     jls.if_applied(GOOD, PARAMS, PARAMS)
 
 
 def test_raise_if_stuck_refuses_probes_that_are_not_measurements_at_once():
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(TypeError, match=r"raise_if_stuck: `probes` must be what "
-                                      r"scaled_value_and_grad\(..., probes=True\) returned.*"
-                                      r"got dict"):
+  with pytest.raises(TypeError, match=r"`probes`.*probes=True.*\bdict\b"):
     jls.raise_if_stuck(state, probes={"layer": 1.0})
 
 
@@ -123,10 +119,9 @@ def test_with_clipping_the_norm_recorded_is_the_clips_before_the_clip():
 
 def test_a_state_made_without_the_norm_is_refused_by_a_step_that_records_it():
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(ValueError, match=r"`state` belongs to a loss_scaling that does not "
-                                       r"record the gradients' norm"):
+  with pytest.raises(ValueError, match=r"`state`.*norm"):
     jls.loss_scaling(optax.sgd(0.1), grad_norm=True).update(GOOD, state, PARAMS)
-  with pytest.raises(ValueError, match=r"`grad_norm` must be True or False, got 1"):
+  with pytest.raises(ValueError, match=r"`grad_norm`.*\b1\b"):
     jls.loss_scaling(optax.sgd(0.1), grad_norm=1)
 
 
@@ -139,7 +134,7 @@ def test_inject_hyperparams_inside_are_read_where_logging_code_reads_them():
   assert float(optax.tree_utils.tree_get(state, "learning_rate")) == pytest.approx(1e-3)
   plain = jls.loss_scaling(optax.adam(1e-3)).init(PARAMS)
   assert not hasattr(plain, "hyperparams")
-  with pytest.raises(AttributeError, match="holds 0 optax.inject_hyperparams states"):
+  with pytest.raises(AttributeError, match=r"\b0 optax.inject_hyperparams\b"):
     plain.hyperparams  # noqa: B018
 
 
@@ -154,7 +149,7 @@ def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
   optimizer = nnx.Optimizer(model, jls.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
   assert float(jls.metrics(optimizer)["loss_scale"]) == 2.0**15
   # nnx.state keeps only arrays, in dicts: README sends users to the optimizer instead.
-  with pytest.raises(ValueError, match=r"nnx.state\(optimizer\) keeps only arrays"):
+  with pytest.raises(ValueError, match=r"nnx.state\(optimizer\)"):
     jls.metrics(nnx.state(optimizer))
 
 
@@ -163,7 +158,7 @@ def test_metrics_of_an_nnx_optimizer_and_of_nnx_state():
                          ids=["shape", "dtype", "structure", "a_number_for_an_array"])
 def test_if_applied_refuses_new_and_old_that_do_not_match_naming_them(old):
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises((TypeError, ValueError), match="if_applied: `new` and `old` must have"):
+  with pytest.raises((TypeError, ValueError), match="`new` and `old`"):
     jls.if_applied(state, {"mean": jnp.ones(2)}, old)
 
 
@@ -220,7 +215,7 @@ def test_raise_if_stuck_fails_fast_with_a_clear_message():
   state = steps(tx, [(BAD, None)] * 5)
   jls.raise_if_stuck(state, max_consecutive_skips=6)
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"last 5 steps were all skipped.*already at its minimum 1"):
+                     match=r"max_consecutive_skips=5\b.*minimum 1\b"):
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
@@ -231,7 +226,7 @@ def test_raise_if_stuck_knows_the_floor_of_every_scale_that_backs_off():
   state = steps(tx, [(BAD, None)] * 5)
   assert float(state.loss_scale()) == 1.0
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"at its minimum 1\. Likely cause: the unscaled gradients are inf"):
+                     match=r"minimum 1\b.*diverges"):
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
@@ -242,7 +237,7 @@ def test_raise_if_stuck_at_scale_1_blames_the_model_not_the_scale(loss_scale):
   # overflowing", pointing at a loss scale that scales nothing.
   state = steps(jls.loss_scaling(optax.sgd(0.1), loss_scale), [(BAD, None)] * 3)
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"scale 1\. Likely cause: the unscaled gradients are inf/NaN"):
+                     match=r"scale 1\b.*diverges"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 
@@ -252,7 +247,7 @@ def test_raise_if_stuck_blames_the_current_streak_not_the_running_totals():
   nan = jnp.array(jnp.nan)
   state = steps(tx, [(BAD, nan)] * 5 + [(GOOD, None)] + [(BAD, None)] * 5)
   assert int(state.nonfinite_loss_steps) == 5 and int(state.consecutive_skips) == 5
-  with pytest.raises(jls.LossScaleStuckError, match="the gradients keep overflowing") as info:
+  with pytest.raises(jls.LossScaleStuckError, match="overflowing") as info:
     jls.raise_if_stuck(state, max_consecutive_skips=5)
   assert "loss itself" not in str(info.value)
 
@@ -260,7 +255,7 @@ def test_raise_if_stuck_blames_the_current_streak_not_the_running_totals():
 def test_raise_if_stuck_blames_a_nonfinite_loss():
   tx = jls.loss_scaling(optax.sgd(0.1))
   state = steps(tx, [(BAD, jnp.array(jnp.nan))] * 3)
-  with pytest.raises(jls.LossScaleStuckError, match="loss itself is inf/NaN"):
+  with pytest.raises(jls.LossScaleStuckError, match="loss itself"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 
@@ -269,8 +264,7 @@ def test_raise_if_stuck_names_an_optimizer_that_makes_nan_from_finite_gradients(
   tx = jls.loss_scaling(optax.adam(1e-3))  # eps=1e-8 is 0 in float16
   state = steps(tx, [({"w": jnp.zeros(2, jnp.float16)}, None)] * 3, params)
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"optimizer produced non-finite updates \(or parameters\) from "
-                           r"finite gradients.*eps.*float32.*get_policy\('p=f32,c=f16'\)"):
+                     match=r"non-finite updates.*eps.*get_policy\('p=f32,c=f16'\)"):
     jls.raise_if_stuck(state, max_consecutive_skips=3)
 
 
@@ -278,7 +272,7 @@ def test_raise_if_stuck_lists_every_cause_of_a_mixed_streak():
   tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(2.0**20))
   state = steps(tx, [(BAD, jnp.array(jnp.nan))] * 2 + [(BAD, None)] * 3)
   with pytest.raises(jls.LossScaleStuckError,
-                     match=r"3 of them: the gradients keep overflowing; 2 of them: the loss"):
+                     match=r"3 of them: [^;]*overflowing; 2 of them: [^;]*loss"):
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
@@ -309,8 +303,8 @@ def backward_overflow_loss(params, x):
 
 
 @pytest.mark.parametrize("loss_fn, where", [
-    (backward_overflow_loss, "the overflow began in the backward pass of 'layer_2'"),
-    (forward_nan_loss, "the forward output of 'layer_1' was the first that was not finite")],
+    (backward_overflow_loss, "backward pass of 'layer_2'"),
+    (forward_nan_loss, "forward output of 'layer_1'")],
     ids=["backward", "forward"])
 def test_raise_if_stuck_names_the_layer_where_the_trouble_began(loss_fn, where):
   params = [jnp.eye(3) * 0.5 for _ in range(4)]

@@ -4,6 +4,7 @@ import pathlib
 import tomllib
 
 import jax
+from ci_script import ci_environments
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -40,11 +41,15 @@ def test_the_lowest_end_ci_runs_pins_the_floors_pyproject_states():
   assert {"jax", "numpy", "optax", "flax", "equinox", "orbax-checkpoint"} <= set(pins)
 
 
-def test_ci_tests_both_ends_of_the_supported_python_range():
-  ci = (ROOT / ".ci" / "run").read_text()
+def test_ci_tests_both_ends_of_the_supported_python_range(tmp_path):
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-  assert project["requires-python"] == ">=3.11"
-  assert "PYENV_VERSION=3.11" in ci and "PIP_CONSTRAINT" in ci and "PYENV_VERSION=3.13" in ci
+  lowest, newest = ci_environments(ROOT, tmp_path)
+  assert SpecifierSet(project["requires-python"]) == SpecifierSet(">=3.11")
+  assert Version(lowest[0].pyenv_version).release[:2] == (3, 11)
+  assert Version(newest[0].pyenv_version).release[:2] >= (3, 13)
+  assert {call.pip_constraint for call in lowest if call.program.endswith("pip")} == {
+      str(tmp_path / ".ci" / "lowest.txt")}
+  assert {call.pip_constraint for call in newest} == {None}
 
 
 def test_jax_is_bounded_above_by_the_range_the_library_warns_outside_of():
@@ -54,13 +59,20 @@ def test_jax_is_bounded_above_by_the_range_the_library_warns_outside_of():
   assert Version(jax.__version__) in stated
 
 
-def test_ci_installs_torch_for_the_pytorch_parity_test_on_the_lowest_end_only():
+def test_ci_installs_torch_for_the_pytorch_parity_test_on_the_lowest_end_only(tmp_path):
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   [torch] = [Requirement(r) for r in project["optional-dependencies"]["parity"]]
   assert torch.name == "torch"
   assert not any(Requirement(r).name == "jax_lossscale" and "parity" in Requirement(r).extras
                  for r in project["optional-dependencies"]["test"])  # no torch on 3.13
-  ci = (ROOT / ".ci" / "run").read_text()
-  legs = ci.split("PYENV_VERSION=3.13")
-  assert ".[parity]" in legs[0] and "tests/test_torch_parity.py" in legs[0]
-  assert ".[parity]" not in legs[1]
+
+  def installs_parity_then_runs_its_test(calls):
+    installs = [i for i, call in enumerate(calls) if call.program.endswith("pip")
+                and ".[parity]" in call.args]
+    runs = [i for i, call in enumerate(calls) if call.args[:2] == ("-m", "pytest")
+            and "tests/test_torch_parity.py" in call.args]
+    return bool(installs) and bool(runs) and installs[0] < runs[-1]
+
+  lowest, newest = ci_environments(ROOT, tmp_path)
+  assert installs_parity_then_runs_its_test(lowest)
+  assert not any(".[parity]" in call.args for call in newest)

@@ -66,16 +66,16 @@ def test_half_is_bfloat16_on_tpu_and_float16_elsewhere():
 
 
 @pytest.mark.parametrize("name, match", [
-    ("c=f8", "Unknown dtype 'f8'"), ("x=f16", "Unknown key 'x'"), ("C=f16", "Unknown key 'C'"),
-    ("p=f16,,c=f32", "must be key=dtype"), ("c=f16=f32", "must be key=dtype"),
-    ("", "Unknown dtype ''"), ("p = f16", "Unknown key 'p '"), (16, "`policy_name`")])
+    ("c=f8", "dtype 'f8'"), ("x=f16", "key 'x'"), ("C=f16", "key 'C'"),
+    ("p=f16,,c=f32", "key=dtype"), ("c=f16=f32", "key=dtype"),
+    ("", "dtype ''"), ("p = f16", "key 'p '"), (16, "`policy_name`")])
 def test_get_policy_refuses_an_unknown_key_or_dtype_with_a_clear_message(name, match):
   with pytest.raises(ValueError, match=match):
     jls.get_policy(name)
 
 
 def test_policy_refuses_a_dtype_that_is_not_floating():
-  with pytest.raises(ValueError, match="`compute_dtype` must be a floating dtype"):
+  with pytest.raises(ValueError, match="`compute_dtype`.*int8"):
     jls.Policy(jnp.float32, jnp.int8, jnp.float32)
   with pytest.raises(ValueError, match="`output_dtype`"):
     jls.Policy(jnp.float32, jnp.float16, "nope")
@@ -104,7 +104,7 @@ def test_policy_keeps_a_real_floating_dtype(dtype):
 def test_policy_refuses_none_naming_the_field(field):
   dtypes = dict(param_dtype=jnp.float32, compute_dtype=jnp.float16, output_dtype=jnp.float32)
   dtypes[field] = None
-  with pytest.raises(ValueError, match=f"`{field}` must be a floating dtype.*got None"):
+  with pytest.raises(ValueError, match=f"`{field}`.*None"):
     jls.Policy(**dtypes)
 
 
@@ -123,7 +123,7 @@ def test_as_dtype_refuses_anything_but_a_floating_dtype_or_a_policy_name(value):
 
 def test_with_output_dtype_reads_a_policy_name():
   assert jls.get_policy("f32").with_output_dtype("f16").output_dtype == jnp.float16
-  with pytest.raises(ValueError, match="`output_dtype`.*got 'f8'"):
+  with pytest.raises(ValueError, match="`output_dtype`.*'f8'"):
     jls.get_policy("f32").with_output_dtype("f8")
 
 

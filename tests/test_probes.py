@@ -63,7 +63,7 @@ def test_without_measurement_probe_returns_its_input_and_the_program_has_no_prob
 
 def test_a_probe_of_a_pytree_is_refused_naming_x():
   # It failed inside jnp.result_type ("entry not a 2- or 3- tuple").
-  with pytest.raises(TypeError, match="probe 't': `x` must be an array, got dict"):
+  with pytest.raises(TypeError, match=r"'t'.*`x`.*\bdict\b"):
     pr.probe({"a": jnp.ones(2)}, "t")
   assert [pr.probe(x, "t") for x in (1, 2.0, 3j)] == [1, 2.0, 3j]  # numbers pass as they are
 
@@ -401,8 +401,8 @@ def test_equinox_and_nnx_transforms_get_the_stats_with_their_first_argument():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"index": 0}, "index=0 and length=None go together"),
-    ({"length": 3}, "index=None and length=3 go together"),  # failed on a dtype of None
+    ({"index": 0}, "index=0.*length=None"),
+    ({"length": 3}, "index=None.*length=3"),  # failed on a dtype of None
     ({"index": 0, "length": 0}, "length=0 must be a positive int"),
     ({"index": 0, "length": True}, "length=True must be a positive int"),  # was 1 row
     ({"index": 2, "length": 2}, r"index=2 must be an int in \[0, length=2\)"),
@@ -417,22 +417,21 @@ def test_a_probe_named_anew_on_every_trace_is_refused_not_left_unmeasured():
   # must not pass through unmeasured (an overflow there would be reported nowhere).
   counter = itertools.count()
   loss = lambda w: jnp.sum(pr.probe(jnp.tanh(w), f"dense_{next(counter)}"))
-  with pytest.raises(ValueError, match="'dense_1' was not reached when the function was first"):
+  with pytest.raises(ValueError, match="'dense_1'"):
     with_probes(loss)(jnp.ones(2))
 
 
 @pytest.mark.parametrize("name", [3, ("a", "b")])
 def test_a_probe_name_that_is_not_a_string_is_refused(name):
   # It was accepted, and diagnostics.table failed on it later.
-  with pytest.raises(TypeError, match="`name` must be a str"):
+  with pytest.raises(TypeError, match="`name`"):
     with_probes(lambda w: jnp.sum(pr.probe(w, name)))(jnp.ones(2))
 
 
 def test_arguments_given_by_keyword_only_are_refused_naming_argnums():
   # It failed with ZeroDivisionError.
   loss = lambda w, x: jnp.sum(pr.probe(w * x, "p"))
-  with pytest.raises(TypeError, match=r"argnums=0 needs the arguments passed positionally, "
-                                      r"got keyword arguments only \(w, x\)"):
+  with pytest.raises(TypeError, match=r"argnums=0.*\(w, x\)"):
     with_probes(loss)(w=jnp.ones(2), x=jnp.ones(2))
 
 

@@ -42,20 +42,20 @@ def test_get_deserializes_a_dict():
 
 @pytest.mark.parametrize("identifier", ["static", True, [1.0], object()])
 def test_get_rejects_anything_else(identifier):
-  with pytest.raises(ValueError, match="Could not interpret loss scale identifier"):
+  with pytest.raises(ValueError, match="`identifier`"):
     jls_tf.get(identifier)
 
 
 def test_get_passes_value_errors_of_bad_numbers_through_in_its_own_words():
-  with pytest.raises(ValueError, match="`identifier` must be >= 1, got 0.5"):
+  with pytest.raises(ValueError, match=r"`identifier`.*\b0\.5\b"):
     jls_tf.get(0.5)
 
 
 @pytest.mark.parametrize(
     "data, match",
-    [({"class_name": "Nope", "config": {}}, "Unknown loss scale class_name 'Nope'"),
-     ({"config": {}}, "keys 'class_name' and 'config'"),
-     ("FixedLossScale", "keys 'class_name' and 'config'")],
+    [({"class_name": "Nope", "config": {}}, "'Nope'"),
+     ({"config": {}}, "'class_name'.*'config'"),
+     ("FixedLossScale", "'class_name'.*'config'")],
 )
 def test_deserialize_rejects_malformed_input(data, match):
   with pytest.raises(ValueError, match=match):
@@ -63,7 +63,7 @@ def test_deserialize_rejects_malformed_input(data, match):
 
 
 def test_serialize_rejects_non_loss_scales():
-  with pytest.raises(ValueError, match="expects a LossScale"):
+  with pytest.raises(ValueError, match=r"LossScale.*\b2\.0\b"):
     jls_tf.serialize(2.0)
 
 

@@ -13,11 +13,9 @@ FUSED = pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gr
 
 
 @pytest.mark.parametrize("grads, match", [
-    ({"w": jnp.ones(2)}, r"`grads` must have the structure of `params`: 1 leaves against 2"),
-    ({"w": jnp.ones(2), "b": jnp.ones(4)}, r"`grads\['b'\]` has shape \(4,\), its parameter "
-                                           r"`params\['b'\]` \(3,\)"),
-    ({"weight": jnp.ones(2), "b": jnp.ones(3)}, r"`grads` has \['weight'\] where `params` has "
-                                                r"\['w'\]")],
+    ({"w": jnp.ones(2)}, r"`grads`.*`params`.*\b1\b.*\b2\b"),
+    ({"w": jnp.ones(2), "b": jnp.ones(4)}, r"`grads\['b'\]`.*\(4,\).*`params\['b'\]`.*\(3,\)"),
+    ({"weight": jnp.ones(2), "b": jnp.ones(3)}, r"`grads`.*\['weight'\].*`params`.*\['w'\]")],
     ids=["missing_leaf", "wrong_shape", "renamed_leaf"])
 def test_gradients_that_do_not_match_the_parameters_are_refused_naming_both(grads, match):
   tx = jls.loss_scaling(optax.adam(0.1))
@@ -33,8 +31,7 @@ def test_a_python_float_parameter_with_a_gradient_is_refused_as_not_trained():
   tx = jls.loss_scaling(optax.sgd(0.5), jls.NoOpLossScale())
   params = {"w": jnp.ones(3), "t": 1.0}
   for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=r"`params\['t'\]` is the Python float 1.0, which is "
-                                        r"not trained .* make the parameter an array"):
+    with pytest.raises(TypeError, match=r"`params\['t'\]`.*\b1\.0\b"):
       step({"w": jnp.ones(3), "t": 3.0}, tx.init(params), params)
   new, _ = tx.apply_gradients({"w": jnp.ones(3), "t": None}, tx.init(params), params)
   assert new["t"] == 1.0 and new["w"].tolist() == [0.5] * 3
@@ -42,7 +39,7 @@ def test_a_python_float_parameter_with_a_gradient_is_refused_as_not_trained():
 
 @pytest.mark.parametrize("bad", [[["data"]], {"data": 1}, ("data", ["model"])])
 def test_an_axis_name_that_is_not_names_is_refused_when_the_transformation_is_built(bad):
-  with pytest.raises(TypeError, match="`axis_name` must be an axis name"):
+  with pytest.raises(TypeError, match="`axis_name`"):
     jls.loss_scaling(optax.sgd(0.1), axis_name=bad)
 
 
@@ -69,7 +66,7 @@ def test_a_misspelt_loss_or_probes_keyword_is_refused_not_passed_on(fused, keywo
   tx = jls.loss_scaling(optax.sgd(0.1))
   params = {"w": jnp.ones(2)}
   step = tx.apply_gradients if fused else tx.update
-  with pytest.raises(TypeError, match=rf"got `{keyword}=`: did you mean `{meant}=`\?"):
+  with pytest.raises(TypeError, match=rf"`{keyword}=`.*`{meant}=`"):
     step({"w": jnp.ones(2)}, tx.init(params), params, **{keyword: jnp.nan})
 
 
@@ -81,8 +78,7 @@ def test_integer_gradients_of_float_parameters_are_refused_not_passed_on_unscale
   tx = jls.loss_scaling(optax.sgd(0.1))
   params = {"w": jnp.ones(3), "n": jnp.int32(3)}
   for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=rf"`grads\['w'\]` is {grad.dtype}, but a gradient of "
-                                        r"the float32 `params\['w'\]` must be floating-point"):
+    with pytest.raises(TypeError, match=rf"`grads\['w'\]`.*{grad.dtype}.*float32.*`params\['w'\]`"):
       step({"w": grad, "n": jnp.int32(0)}, tx.init(params), params)
   # An integer parameter's integer "gradient" (zeros_like, an accumulator) passes, as in optax.
   updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
@@ -109,8 +105,7 @@ def test_gradients_in_other_containers_than_the_parameters_are_refused_naming_bo
   tx = jls.loss_scaling(optax.adam(0.1))
   params = [jnp.ones(2), jnp.ones(3)]
   for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(ValueError, match=r"structure of `params`: grads PyTreeDef\(\(\*, "
-                                         r"\*\)\), params PyTreeDef\(\[\*, \*\]\)"):
+    with pytest.raises(ValueError, match=r"PyTreeDef\(\(\*, \*\)\).*PyTreeDef\(\[\*, \*\]\)"):
       step((jnp.ones(2), jnp.ones(3)), tx.init(params), params)
 
 
@@ -148,10 +143,7 @@ def test_a_loss_passed_positionally_is_refused_saying_loss_is_keyword_only(fused
   params = {"w": jnp.ones(2)}
   step = tx.apply_gradients if fused else tx.update
   name = "apply_gradients" if fused else "update"
-  with pytest.raises(TypeError, match=rf"loss_scaling's {name} takes the gradients, the state "
-                                      rf"and the parameters positionally, and `loss=` and "
-                                      rf"`probes=` by keyword only.*1 more positional "
-                                      rf"argument: ArrayImpl"):
+  with pytest.raises(TypeError, match=rf"{name}.*`loss=`.*ArrayImpl"):
     step(params, tx.init(params), params, jnp.float32(1.0))
 
 

@@ -213,7 +213,7 @@ def test_both_branches_give_the_same_steps(fused):
 def test_apply_gradients_without_params_is_refused_naming_params():
   tx = jls.loss_scaling(optax.sgd(0.1))
   params = {"w": jnp.ones(2)}
-  with pytest.raises(TypeError, match="apply_gradients: `params` must be the parameters"):
+  with pytest.raises(TypeError, match=r"`params`.*\bNone\b"):
     tx.apply_gradients(params, tx.init(params), None)
 
 
@@ -301,38 +301,38 @@ def test_the_wrapped_transformation_is_reachable_as_inner():
 
 
 def test_wrapping_loss_scaling_in_loss_scaling_is_refused():
-  with pytest.raises(TypeError, match="already a loss_scaling"):
+  with pytest.raises(TypeError, match="`inner`.*loss_scaling"):
     jls.loss_scaling(jls.loss_scaling(optax.sgd(0.1)))
   nested = jls.loss_scaling(optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1))))
-  with pytest.raises(TypeError, match="already contains a loss_scaling state"):
+  with pytest.raises(TypeError, match="loss_scaling state"):
     nested.init(PARAMS)
 
 
 @pytest.mark.parametrize("inner, hint", [(optax.adam, "forget to call it"), ("adam", ""),
                                          (None, ""), (3, "")])
 def test_an_inner_that_is_not_a_transformation_is_refused_naming_inner(inner, hint):
-  with pytest.raises(TypeError, match=f"`inner` must be an optax GradientTransformation.*{hint}"):
+  with pytest.raises(TypeError, match=f"`inner`.*GradientTransformation.*{hint}"):
     jls.loss_scaling(inner)
 
 
 @pytest.mark.parametrize("state", [None, {}, optax.EmptyState()])
 def test_update_without_a_loss_scaling_state_says_what_to_pass(state):
   tx = jls.loss_scaling(optax.sgd(0.1))
-  with pytest.raises(TypeError, match="`state` must be the LossScalingState"):
+  with pytest.raises(TypeError, match="`state`.*LossScalingState"):
     tx.update(PARAMS, state, PARAMS)
 
 
 def test_the_state_of_another_loss_scaling_is_refused():
   # A dynamic-scale state given to loss_scaling(sgd, 8.0) was accepted, and used 32768.
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(ValueError, match="`state` belongs to another loss_scaling.*FixedLossScale"):
+  with pytest.raises(ValueError, match="`state`.*FixedLossScale"):
     jls.loss_scaling(optax.sgd(0.1), 8.0).update(PARAMS, state, PARAMS)
 
 
 @pytest.mark.parametrize("loss_scale", ["dynamic", jls.MeasuredLossScale()])
 def test_an_axis_name_under_plain_jit_is_refused_naming_axis_name(loss_scale):
   tx = jls.loss_scaling(optax.sgd(0.1), loss_scale, axis_name="data")
-  with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map or pmap"):
+  with pytest.raises(ValueError, match="`axis_name`.*'data'"):
     jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
@@ -357,7 +357,7 @@ def test_a_nonfinite_loss_of_any_kind_skips_the_step(loss, branch):
 @pytest.mark.parametrize("loss", ["x", None.__class__, [1.0], True])
 def test_a_loss_that_is_not_a_number_is_refused_naming_loss(loss):
   tx = jls.loss_scaling(optax.sgd(0.1))
-  with pytest.raises(TypeError, match="`loss` must be the unscaled loss"):
+  with pytest.raises(TypeError, match="`loss`"):
     tx.update(PARAMS, tx.init(PARAMS), PARAMS, loss=loss)
 
 
@@ -729,7 +729,7 @@ def test_clip_by_global_norm_rejects_a_bad_value(bad):
 def test_clip_by_global_norm_too_small_for_a_normal_clip_factor_is_refused():
   # max_norm / norm fell below float32's smallest normal for large finite norms, was
   # flushed to 0, and the step applied zero updates where optax's clip gives 7e-26.
-  with pytest.raises(ValueError, match=r"`clip_by_global_norm` must be at least 2\*\*-62"):
+  with pytest.raises(ValueError, match=r"`clip_by_global_norm`.*2\*\*-62"):
     jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=1e-25)
   tx = jls.loss_scaling(optax.sgd(1.0), 1.0, clip_by_global_norm=2.0**-62)
   params, grads = {"w": jnp.zeros(2)}, {"w": jnp.array([1e18, -1e18])}
@@ -750,7 +750,7 @@ def test_clip_by_global_norm_clips_float64_gradients_beyond_float32_under_x64():
 
 def test_wrap_state_refuses_a_state_that_is_already_wrapped():
   tx = jls.loss_scaling(optax.adam(0.1))
-  with pytest.raises(TypeError, match="already contains a loss_scaling state"):
+  with pytest.raises(TypeError, match="loss_scaling state"):
     tx.wrap_state(tx.init(PARAMS))
 
 
@@ -1078,7 +1078,7 @@ def test_loss_scaling_accepts_identifiers_and_rejects_nonsense():
   assert jls.loss_scaling(optax.sgd(1), 256).init(PARAMS).loss_scale == jls.FixedLossScale(256)
   assert (jls.loss_scaling(optax.sgd(1), jnp.float32(2**15)).init(PARAMS).loss_scale
           == jls.FixedLossScale(2**15))
-  with pytest.raises(ValueError, match="Could not interpret"):
+  with pytest.raises(ValueError, match="'static'.*`loss_scale`"):
     jls.loss_scaling(optax.sgd(1), "static")
 
 

@@ -54,18 +54,18 @@ def test_select_tree_picks_whole_trees_without_leaking_nan(maybe_jit):
 
 
 def test_select_tree_rejects_a_non_scalar_predicate():
-  with pytest.raises(ValueError, match="`pred` must be a scalar"):
+  with pytest.raises(ValueError, match="`pred`"):
     jls.select_tree(jnp.array([True, False]), [jnp.ones(2)], [jnp.ones(2)])
 
 
 @pytest.mark.parametrize("pred", [0.5, 1, jnp.float32(0.0), jnp.int32(1)])
 def test_select_tree_rejects_a_predicate_that_is_not_a_boolean(pred):
-  with pytest.raises(TypeError, match="`pred` must be a boolean"):
+  with pytest.raises(TypeError, match="`pred`"):
     jls.select_tree(pred, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
 
 
 def test_select_tree_rejects_mismatched_leaves():
-  with pytest.raises(TypeError, match="same shape and dtype"):
+  with pytest.raises(TypeError, match="float32.*float16"):
     jls.select_tree(True, [jnp.ones(2)], [jnp.ones(2, jnp.float16)])
 
 

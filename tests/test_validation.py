@@ -84,12 +84,12 @@ def test_numpy_and_concrete_jax_scalars_are_accepted_as_numbers(value):
 
 @pytest.mark.parametrize("value", [jnp.ones(2), np.ones((1,)), True, np.bool_(True), "8"])
 def test_arrays_booleans_and_strings_are_not_numbers(value):
-  with pytest.raises(ValueError, match="`loss_scale_value` must be a real number"):
+  with pytest.raises(ValueError, match="`loss_scale_value`"):
     jls.FixedLossScale(value)
 
 
 def test_a_traced_hyperparameter_is_refused_with_a_clear_message():
-  with pytest.raises(ValueError, match="`initial_loss_scale` must be a concrete"):
+  with pytest.raises(ValueError, match="`initial_loss_scale`.*traced"):
     jax.jit(lambda s: jls.DynamicLossScale(s)())(jnp.float32(8.0))
 
 
@@ -97,7 +97,7 @@ def test_a_traced_hyperparameter_is_refused_with_a_clear_message():
                                   jnp.ones(()), None])
 def test_update_loss_scale_takes_only_a_boolean_scalar(flag):
   # "x", nan and 2.5 used to count as finite; a shape-(2,) flag gave the state shape (2,).
-  with pytest.raises(ValueError, match="`finite_grads` must be a boolean scalar"):
+  with pytest.raises(ValueError, match="`finite_grads`"):
     jls_tf.ExponentialUpdateLossScaleManager(8, 2).update_loss_scale(flag)
 
 
@@ -128,8 +128,7 @@ def test_state_given_to_the_constructor_is_checked(state, name):
 @pytest.mark.parametrize("maxima", [np.zeros(4), np.zeros(())])
 def test_state_of_another_shape_than_the_configuration_is_refused(maxima):
   # A history of 4 maxima was accepted by a scale configured for 16.
-  with pytest.raises(ValueError, match=r"`maxima` must have shape \(16,\) \(after any batch "
-                                       r"axes\), got shape"):
+  with pytest.raises(ValueError, match=r"`maxima`.*\(16,\)"):
     jls.MeasuredLossScale(maxima=maxima)
   batch = jls.MeasuredLossScale(history=4, maxima=np.zeros((3, 4)))  # a batch, for vmap
   assert batch.maxima.shape == (3, 4)
@@ -144,7 +143,7 @@ def test_deserialize_refuses_state_and_unknown_keys():
   # `deserialize` used to accept {"current_loss_scale": -3.0}.
   config = jls_tf.serialize(jls.DynamicLossScale())
   config["config"]["current_loss_scale"] = -3.0
-  with pytest.raises(ValueError, match="Unknown DynamicLossScale config keys.*current_loss_scale"):
+  with pytest.raises(ValueError, match="'current_loss_scale'"):
     jls_tf.deserialize(json.loads(json.dumps(config)))
 
 
@@ -160,9 +159,9 @@ def test_loss_scaling_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("loss_scale, match", [
-    ("Dynamic ", "given as `loss_scale`: use a LossScale, a number >= 1"),
-    (0.5, "`loss_scale` must be >= 1, got 0.5"),
-    (None, "`loss_scale` must be a LossScale")])
+    ("Dynamic ", "'Dynamic '.*`loss_scale`"),
+    (0.5, r"`loss_scale`.*\b0\.5\b"),
+    (None, r"`loss_scale`.*\bNone\b")])
 def test_loss_scaling_names_its_own_loss_scale_argument(loss_scale, match):
   # It said neither `loss_scale` nor what is allowed, or named `loss_scale_value`.
   with pytest.raises(ValueError, match=match):

@@ -52,7 +52,7 @@ def test_negative_argnums_count_from_the_end_of_the_functions_arguments(argnums,
 
 def test_a_loss_scale_object_instead_of_the_optimizer_state_is_refused():
   # A loss scale kept outside the optimizer goes stale as soon as the scale moves.
-  with pytest.raises(TypeError, match="takes the optimizer state first.*loss_scale.scale"):
+  with pytest.raises(TypeError, match="DynamicLossScale.*loss_scale.scale"):
     jls.scaled_value_and_grad(loss_fn)(jls.DynamicLossScale(), PARAMS, jnp.ones(3))
 
 
@@ -62,8 +62,7 @@ def test_a_loss_scale_object_instead_of_the_optimizer_state_is_refused():
     (lambda f, s: f(PARAMS, type("Holder", (), {"opt_state": s})()), "argument 2")])
 def test_an_optimizer_state_passed_after_the_loss_arguments_is_refused_saying_where(call, where):
   state = jls.loss_scaling(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(TypeError, match=rf"takes the optimizer state first.*as {where} and a "
-                     "dict first"):
+  with pytest.raises(TypeError, match=rf"optimizer state.*{where}"):
     call(jls.scaled_value_and_grad(lambda p, x, state=None: loss_fn(p, x)), state)
 
 
@@ -75,7 +74,7 @@ def test_the_scale_is_looked_up_wherever_the_state_is_held():
   for state in (optax.chain(tx).init(PARAMS), holder):
     _, grads = jls.scaled_value_and_grad(loss_fn)(state, PARAMS, jnp.ones(3))
     chex.assert_trees_all_equal(grads, expected)
-  with pytest.raises(ValueError, match="found 0"):
+  with pytest.raises(ValueError, match=r"\bfound 0\b"):
     jls.scaled_value_and_grad(loss_fn)(optax.sgd(0.1).init(PARAMS), PARAMS, jnp.ones(3))
 
 
@@ -107,10 +106,8 @@ def test_a_float16_loss_is_scaled_in_float32_and_returned_unscaled():
 
 
 @pytest.mark.parametrize("has_aux, returns, match", [
-    (True, lambda p: jnp.sum(p["w"]), r"has_aux=True\): sum_loss must return a pair \(loss, "
-                                      r"aux\), got an array of shape \(\)"),
-    (False, lambda p: (jnp.sum(p["w"]), 1.0), r"sum_loss returned a tuple, not a scalar loss: "
-                                               r"pass has_aux=True")])
+    (True, lambda p: jnp.sum(p["w"]), r"has_aux=True.*sum_loss.*shape \(\)"),
+    (False, lambda p: (jnp.sum(p["w"]), 1.0), r"sum_loss.*tuple.*has_aux=True")])
 def test_a_loss_that_does_not_return_what_has_aux_says_is_refused(has_aux, returns, match):
   # JAX's own errors came from inside the wrapper, or showed the aux scaled as the loss.
   def sum_loss(p):
@@ -129,8 +126,7 @@ def test_the_wrapper_is_named_after_the_loss_function():
 def test_a_value_and_grad_that_returns_only_gradients_is_refused_naming_it(probes):
   # jax.grad failed with "iteration over a 0-d array" from deep inside; with probes, with
   # "'NoneType' object has no attribute 'get'".
-  with pytest.raises(TypeError, match=r"`value_and_grad` must return \(\(value, aux\), grads\)"
-                                      r".*jax.grad returns only the gradients"):
+  with pytest.raises(TypeError, match=r"`value_and_grad`.*jax.grad"):
     jls.scaled_value_and_grad(loss_fn, value_and_grad=jax.grad, probes=probes)(
         state_with_scale(2.0), PARAMS, jnp.ones(3))
 
@@ -187,7 +183,7 @@ def test_float16_gradients_and_losses_are_averaged_without_overflowing_their_sum
 
 def test_an_axis_name_outside_pmap_or_shard_map_is_refused_naming_axis_name():
   grad_fn = jls.scaled_value_and_grad(loss_fn, axis_name="batch")
-  with pytest.raises(ValueError, match="`axis_name` must name axes of the shard_map or pmap"):
+  with pytest.raises(ValueError, match="`axis_name`.*'batch'"):
     jax.jit(grad_fn)(state_with_scale(4.0), PARAMS, jnp.ones(3))
 
 
