@@ -293,6 +293,13 @@ def test_fp8_with_an_equinox_model():
     assert relative_error(g, e) < 0.25  # two layers (see assert_fp8_gradients_close)
 
 
+def test_autocast_around_grad_runs_the_backward_matmuls_in_the_forward_formats():
+  f = jls.autocast(jax.grad(loss, argnums=(0, 1)), jnp.bfloat16, fp8="tensorwise")
+  assert float8_dots(jax.make_jaxpr(f)(X, W)) == [(E4M3, E4M3, F32)] * 3  # forward, backward
+  for got, want in zip(f(X, W), grads(loss, X, W), strict=True):
+    assert relative_error(got, want) < 0.05
+
+
 def fp8_grads_at_scale(scale_value):
   tx = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(scale_value))
   grad_fn = jls.scaled_value_and_grad(jls.autocast(loss, jnp.bfloat16, fp8="tensorwise"),
