@@ -93,16 +93,16 @@ class Float8Recipe:
   def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
     """The recipe named `name` (`"tensorwise"` or `"rowwise"`), with `changes` to its fields."""
     if name not in RECIPES:
-      raise ValueError(f"`fp8` must be one of {tuple(RECIPES)} or a Float8Recipe, got {name!r}.")
+      raise ValueError(f"`name` must be one of {tuple(RECIPES)}, got {name!r}.")
     return dataclasses.replace(RECIPES[name], **changes)
 
   def runs(self, matmul: Float8Matmul, dimension_numbers: Any) -> bool:
     """Whether `matmul` runs in float8 under this recipe."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    sizes = (_size(matmul.lhs_shape, lhs_contract, lhs_batch),
-             _size(matmul.lhs_shape, (), _others(len(matmul.lhs_shape), lhs_contract, lhs_batch)),
-             _size(matmul.rhs_shape, rhs_contract, rhs_batch))
-    if any(size % 16 or size < self.min_size for size in sizes):
+    rows = _size(matmul.lhs_shape, lhs_contract, lhs_batch)
+    contraction = math.prod(matmul.lhs_shape[axis] for axis in lhs_contract)
+    columns = _size(matmul.rhs_shape, rhs_contract, rhs_batch)
+    if any(size % 16 or size < self.min_size for size in (rows, contraction, columns)):
       return False
     return self.filter_fn is None or bool(self.filter_fn(matmul))
 
@@ -146,6 +146,8 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
         "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
   if fp8 is None or isinstance(fp8, (Float8Recipe, Measurement)):
     return fp8
+  if isinstance(fp8, str) and fp8 not in RECIPES:
+    raise ValueError(f"`fp8` must be one of {tuple(RECIPES)} or a Float8Recipe, got {fp8!r}.")
   if isinstance(fp8, str):
     return Float8Recipe.from_name(fp8)
   raise TypeError(f"`fp8` must be None, one of {tuple(RECIPES)} or a Float8Recipe, got "

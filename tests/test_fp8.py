@@ -112,6 +112,18 @@ def test_a_matmul_with_a_size_not_a_multiple_of_16_stays_in_compute_dtype(shapes
   assert summary.count("dot_general", E4M3) == 0
 
 
+def test_batch_dimensions_do_not_count_in_the_contractions_size():
+  x, w = jnp.ones((4, 32, 40)), jnp.ones((4, 40, 48))  # 4 x 40 = 160, a multiple of 16
+  summary = jls.precision_summary(jls.autocast(lambda x, w: jnp.sum(x @ w), jnp.bfloat16,
+                                               fp8="tensorwise"), x, w)
+  assert summary.count("dot_general", BF16) == 1
+
+
+def test_an_unknown_recipe_name_is_refused_naming_name():
+  with pytest.raises(ValueError, match="`name`.*'columnwise'"):
+    jls.Float8Recipe.from_name("columnwise")
+
+
 def test_a_matmul_below_min_size_stays_in_compute_dtype():
   recipe = jls.Float8Recipe.from_name("tensorwise", min_size=64)
   summary = jls.precision_summary(jls.autocast(loss, jnp.bfloat16, fp8=recipe), X, W)
@@ -291,6 +303,13 @@ def test_fp8_with_an_equinox_model():
   expected = eqx.filter_grad(f)(model, X)
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
     assert relative_error(g, e) < 0.25  # two layers (see assert_fp8_gradients_close)
+
+
+def test_autocast_around_grad_runs_the_backward_matmuls_in_the_forward_formats():
+  f = jls.autocast(jax.grad(loss, argnums=(0, 1)), jnp.bfloat16, fp8="tensorwise")
+  assert float8_dots(jax.make_jaxpr(f)(X, W)) == [(E4M3, E4M3, F32)] * 3  # forward, backward
+  for got, want in zip(f(X, W), grads(loss, X, W), strict=True):
+    assert relative_error(got, want) < 0.05
 
 
 def fp8_grads_at_scale(scale_value):
