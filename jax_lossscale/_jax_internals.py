@@ -29,9 +29,11 @@ What is read, and why:
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
-  private), for `autocast` and its precision summary; where each operand comes from
-  (`Origin`: the operation that computed it, or the constant it is), and the name scopes an
-  operation was traced in (`Operation.scopes`, from `source_info_util`'s name stack).
+  private), for `autocast` and its precision summary (a jitted function or checkpoint
+  traced again for other operand dtypes: `Operation.retypable`); where each operand comes
+  from (`Origin`: the operation that computed it, or the constant it is), and the name
+  scopes an operation was traced in (`Operation.scopes`, from `source_info_util`'s name
+  stack).
 """
 
 from __future__ import annotations
