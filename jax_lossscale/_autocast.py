@@ -382,8 +382,9 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
   Any function: an `autocast` one, to check that nothing precision-sensitive ran in
   float16 and that the matmuls did; a hand-cast one, to compare. The backward pass is
   that of the floating outputs with respect to the floating array arguments (none for a
-  function that cannot be differentiated in reverse mode, such as a `while_loop`); a
-  custom derivative rule's primal function is replaced by its rule there::
+  function that cannot be differentiated in reverse mode, such as a `while_loop`), with
+  what only the gradients need (a max's count of ties, a `sin`'s `cos`); a custom
+  derivative rule's primal function is replaced by its rule there::
 
     print(jls.precision_summary(jls.autocast(loss_fn), params, batch))
     # primitive     dtype     forward  backward
