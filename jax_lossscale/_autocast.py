@@ -47,10 +47,14 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
 A gather reads its table as it is: an embedding lookup from a float32 table gathers
 float32 rows, and its backward pass scatter-adds float32 cotangents.
 
-Where JAX checks types, values keep the dtypes they were traced with: the inputs and
-outputs of a loop body, a branch, a jitted function, a `checkpoint`, a custom derivative
-rule's function and a `shard_map` are cast back to their traced dtypes, and the programs
-inside are autocast in turn (the custom rules themselves run as the user wrote them). A
+A jitted function and a `checkpoint` are autocast as if inlined: their programs are
+traced again for the dtypes their operands have (a `jnp.where` or `jax.nn.relu` on a
+float16 activation stays float16). A `custom_jvp` function runs on its operands as they
+are, autocast in turn, and its rule as the user wrote it, on the traced dtypes. Where JAX
+checks types, values keep the dtypes they were traced with: the inputs and outputs of a
+loop body, a branch, a `custom_vjp` function and a `shard_map` are cast back to their
+traced dtypes, and the programs inside are autocast in turn (the custom rules themselves
+run as the user wrote them). A
 primitive holding programs that `autocast` does not know (a `pallas_call`), and a call to
 foreign code (`ffi_call`), runs at its traced precision, with a warning naming it at the
 user's line that calls it.
@@ -241,7 +245,13 @@ class _Interpreter:
       return op.bind(operands)
     if name in AS_TRACED:  # a scatter's or reduction's combiner is a program, typed as traced
       return op.bind(_as_traced(op, operands))
+    if name == "custom_jvp_call":
+      return self._custom_jvp(op, operands)
     if op.holds_programs:
+      if op.rewritable and op.retypable:  # a jitted function: autocast as if inlined
+        outs = op.bind_rewritten(operands, self._evaluate, retyped=True)
+        if outs is not None:
+          return outs
       if op.rewritable:
         outs = op.bind_rewritten(_as_traced(op, operands), self.run_program)
         if outs is not None:
@@ -276,6 +286,29 @@ class _Interpreter:
     if traced != {target} and preferred is not None and jnp.issubdtype(preferred, jnp.floating):
       params["preferred_element_type"] = target  # a result in `target`, as PyTorch's
     return op.bind([_cast(x, target) if _is_floating(x) else x for x in operands], **params)
+
+  def _evaluate(self, program: Any, args: list) -> list:
+    """`program` on `args` of any dtypes, its outputs of the dtypes they come out in."""
+    return internals.evaluate(program, args, self.run)
+
+  def _custom_jvp(self, op: internals.Operation, operands: list) -> list:
+    """A `custom_jvp` function (`jax.nn.relu`) on its operands as they are, autocast like
+    any other code (a float16 activation stays float16); its rule runs as written, on the
+    traced dtypes, its tangents cast to the function's results' dtypes."""
+    program = op.param("call_jaxpr")
+    original = lambda *args: op.bind(_as_traced(op, list(args)))
+
+    @jax.custom_jvp
+    def fun(*args):
+      return self._evaluate(program, list(args))
+
+    @fun.defjvp
+    def rule(primals, tangents):
+      outs = fun(*primals)
+      _, traced = jax.jvp(original, _as_traced(op, list(primals)), _as_traced(op, list(tangents)))
+      return outs, [_cast(t, _dtype(out)) for t, out in zip(traced, outs, strict=True)]
+
+    return fun(*operands)
 
   def _unknown(self, op: internals.Operation, operands: list) -> list:
     if op.name not in self.warned:
@@ -471,11 +504,12 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
 
   Any function: an `autocast` one, to check that nothing precision-sensitive ran in
   float16 and that the matmuls did; a hand-cast one, to compare. The backward pass is
-  that of the floating outputs with respect to the floating array arguments; a custom
-  derivative rule's primal function is replaced by its rule there. Each row lists where
-  its operations were written: their name scope (`jax.named_scope`, a flax linen module
-  path) and the line of your code; a backward operation is located where the operation
-  it differentiates was::
+  that of the floating outputs with respect to the floating array arguments, with what
+  only the gradients need (a max's count of ties, a `sin`'s `cos`); a custom derivative
+  rule's primal function is replaced by its rule there. Each row lists where its
+  operations were written: their name scope (`jax.named_scope`, a flax linen module path)
+  and the line of your code; a backward operation is located where the operation it
+  differentiates was::
 
     print(jls.precision_summary(jls.autocast(loss_fn), params, batch))
     # primitive     dtype     forward  backward  location

@@ -30,7 +30,8 @@ What is read, and why:
   operation by operation, each operation bound again (with new parameters, or with the
   programs inside it traced again from a function: `jax._src`'s `trace_to_jaxpr_dynamic`,
   the one way to trace for exact input types), in its name scope (`source_info_util`,
-  private), for `autocast` and its precision summary; `trace` names the user's function
+  private), for `autocast` and its precision summary (a jitted function or checkpoint
+  traced again for other operand dtypes: `Operation.retypable`); `trace` names the user's function
   and arguments in JAX's errors (`with_names`: `jax.api_util.debug_info`, read by JAX's
   tracing through the function's `__fun_debug_info__`, private).
 - `Source`, `Operation.source`: where an operation was written, its name scope and the
@@ -312,6 +313,11 @@ _PROGRAM_PARAMS = {
     "custom_jvp_call": ("call_jaxpr",), "custom_vjp_call": ("call_jaxpr",),
     "custom_vjp_call_jaxpr": ("fun_jaxpr",),
 }
+
+
+# Those whose programs JAX types by their operands alone (no rule or carry is typed by
+# them): `Operation.bind_rewritten(..., retyped=True)` traces them for other dtypes.
+_RETYPABLE = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
 
 
 try:  # An operation's name scope and traceback, for the programs it is bound into.
@@ -610,11 +616,19 @@ class Operation:
     out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params({**eqn.params, **params}))
     return list(out) if eqn.primitive.multiple_results else [out]
 
-  def bind_rewritten(self, operands: list,
-                     interpret: Callable[[Program, list], list]) -> list | None:
+  @property
+  def retypable(self) -> bool:
+    """Whether the programs inside it can run on operands of other dtypes than traced (a
+    jitted function's, a checkpoint's: no derivative rule or loop carry is typed by them)."""
+    return self.name in _RETYPABLE
+
+  def bind_rewritten(self, operands: list, interpret: Callable[[Program, list], list],
+                     retyped: bool = False) -> list | None:
     """Its results on `operands` (of the traced types) with each program inside it run by
     `interpret(program, args)`, which must return values of the program's output types;
-    None where a program cannot be replaced (it would need new constants).
+    None where a program cannot be replaced (it would need new constants). `retyped`
+    (where `retypable`): `operands` of any dtypes, each program traced for theirs, and its
+    results of the dtypes `interpret` returns.
 
     A `shard_map` is applied anew through `jax.shard_map` (its program is traced in the
     manual axes' context); other operations bind with re-traced programs.
@@ -630,14 +644,17 @@ class Operation:
     for key in _PROGRAM_PARAMS[self.name]:
       value = params[key]
       many = isinstance(value, (tuple, list))
-      traced = [_retrace(program, interpret) for program in (value if many else [value])]
+      types = [jax.typeof(x) for x in operands] if retyped else None
+      traced = [_retrace(program, interpret, types)
+                for program in (value if many else [value])]
       if any(program is None for program in traced):
         return None
       new[key] = type(value)(traced) if many else traced[0]
     return self.bind(operands, **new)
 
 
-def _retrace(program: Program, interpret: Callable[[Program, list], list]) -> Program | None:
+def _retrace(program: Program, interpret: Callable[[Program, list], list],
+             types: list | None = None) -> Program | None:
   """`program` traced again from `interpret(program, args)`, for the same input types
   (a loop body inside `shard_map` keeps its varying axes); None if it needs constants
   that the kind of `program` cannot hold (an open program), or where JAX no longer offers
@@ -650,7 +667,8 @@ def _retrace(program: Program, interpret: Callable[[Program, list], list]) -> Pr
   jaxpr = jaxpr_of(program)
   fun = _linear_util.wrap_init(lambda *args: interpret(program, list(args)),
                                debug_info=jaxpr.debug_info)
-  new, _, consts = _partial_eval.trace_to_jaxpr_dynamic(fun, [v.aval for v in jaxpr.invars])
+  types = [v.aval for v in jaxpr.invars] if types is None else types
+  new, _, consts = _partial_eval.trace_to_jaxpr_dynamic(fun, types)
   if _core.ClosedJaxpr is not _core.Jaxpr and isinstance(program, _core.ClosedJaxpr):
     return _core.ClosedJaxpr(new, consts)  # up to jax 0.10: a closed program holds them
   return None if consts else new

@@ -158,6 +158,23 @@ def test_a_bias_added_to_a_matmuls_result_keeps_the_compute_dtype(name):
   np.testing.assert_allclose(out, fun(*args), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("activation", [jax.nn.relu, linen.relu, nnx.relu],
+                         ids=["jax.nn.relu", "flax linen relu", "flax nnx relu"])
+def test_relu_after_a_biased_layer_keeps_float16_and_its_own_derivative(activation):
+  fun = lambda w, x: activation(x @ w + 1.0)  # relu: a custom_jvp around a jitted function
+  ran = jls.precision_summary(jls.autocast(lambda w, x: jnp.sum(fun(w, x) ** 2)), W, X)
+  assert dtypes_of(ran, "max") == {"float16"}
+  assert jax.grad(lambda x: jls.autocast(activation)(x))(0.0) == 0.0  # relu's rule at 0
+  np.testing.assert_allclose(jax.grad(lambda w: jnp.sum(jls.autocast(fun)(w, X) ** 2))(W),
+                             jax.grad(lambda w: jnp.sum(fun(w, X) ** 2))(W), rtol=2e-2, atol=0.1)
+
+
+def test_a_jitted_function_runs_on_the_dtypes_its_operands_have():
+  ran = jls.precision_summary(jls.autocast(
+      lambda w, x: jnp.sum(jax.jit(jnp.tanh)(x @ w))), W, X)
+  assert dtypes_of(ran, "tanh") == {"float16"}
+
+
 def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
   square = jax.random.normal(KEYS[2], (32, 32)) / 6
   ran = forward_dtypes(jls.autocast(lambda w, x: x + x @ w), square, X)

@@ -218,6 +218,27 @@ def test_the_programs_inside_a_known_operation_are_rewritten_keeping_its_type(na
   assert jax.grad(lambda x: jnp.sum(internals.evaluate(program, [x], run)[0]))(x).shape == (3,)
 
 
+@pytest.mark.parametrize("name", ["jit", "checkpoint"])
+def test_a_jitted_function_or_checkpoint_is_rewritten_for_operands_of_other_dtypes(name):
+  wrap = {"jit": jax.jit, "checkpoint": jax.checkpoint}[name]
+  program, _ = internals.trace(wrap(lambda y: jnp.tanh(y) * y), [jnp.ones(3)])
+
+  def run(op, operands):
+    assert op.retypable
+    return op.bind_rewritten(operands, lambda sub, args: internals.evaluate(
+        sub, args, as_traced), retyped=True)
+
+  [out] = internals.evaluate(program, [jnp.ones(3, jnp.float16)], run)
+  assert out.dtype == jnp.float16
+  np.testing.assert_allclose(out, np.tanh(1.0), rtol=1e-3)
+
+
+def test_a_loop_is_not_retypable():
+  program, _ = internals.trace(lambda x: lax.fori_loop(0, 2, lambda i, y: y * 2, x),
+                               [jnp.ones(3)])
+  assert [internals.Operation(e).retypable for e in internals.equations(program)] == [False]
+
+
 def test_an_operation_holding_an_unknown_program_is_not_rewritable():
   opaque = jax.extend.core.Primitive("opaque_call")
   opaque.def_abstract_eval(lambda x, *, program: x)
