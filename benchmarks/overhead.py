@@ -45,9 +45,9 @@ import optax
 import jax_lossscale as jls
 
 
-def make_params(n: int, leaves: int) -> dict:
+def make_params(n: int, leaves: int, dtype=jnp.float32) -> dict:
   sizes = [n // leaves + (1 if i < n % leaves else 0) for i in range(leaves)]
-  return {f"leaf_{i:03d}": jnp.full((s,), 0.5, jnp.float32) for i, s in enumerate(sizes)}
+  return {f"leaf_{i:03d}": jnp.full((s,), 0.5, dtype) for i, s in enumerate(sizes)}
 
 
 def variants(optimizer: optax.GradientTransformation, clip_norm: float | None = None) -> dict:
@@ -162,11 +162,19 @@ def analyse(compiled) -> tuple[float, int]:
   return float(cost["bytes accessed"]), int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0) -> dict:
-  params = make_params(n, leaves)
+def compile_variants(n: int, leaves: int, steps: dict, budget=None,
+                     dtype=jnp.float32) -> dict:
+  """Each variant of `steps` (name -> (init, step), `plain` first) jitted with parameters
+  and state donated, compiled and run once on `n` parameters of `dtype` in `leaves`
+  leaves: name -> run (its compiled step, parameters and state, XLA's bytes and
+  temporaries). With a `budget` (an object whose `expired()` says when to stop), the
+  variants compiled before it expired."""
+  params = make_params(n, leaves, dtype)
   grads = jax.tree.map(lambda p: p * 1e-3, params)
   runs = {}
-  for name, (init, step) in variants(optimizer, clip_norm).items():
+  for name, (init, step) in steps.items():
+    if budget is not None and budget.expired():
+      break
     jitted = jax.jit(step, donate_argnums=(0, 1))
     state = init(params)
     compiled = jitted.lower(params, state, grads).compile()
@@ -174,17 +182,29 @@ def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0)
     p, s = jax.tree.map(jnp.copy, params), state
     p, s = compiled(p, s, grads)  # warm up
     jax.block_until_ready(p)
-    runs[name] = {"compiled": compiled, "p": p, "s": s, "times": [],
+    runs[name] = {"compiled": compiled, "p": p, "s": s, "times": [], "grads": grads,
                   "bytes": bytes_accessed, "temps": temps}
+  return runs
+
+
+def time_runs(runs: dict, reps: int, seed: int = 0, budget=None) -> None:
+  """`reps` rounds of one step of each run, in a random order each round, appended to each
+  run's times; with a `budget`, the rounds finished before it expired (at least one)."""
   rng = np.random.default_rng(seed)
   names = list(runs)
-  for _ in range(reps):
+  for i in range(reps):
+    if i and budget is not None and budget.expired():
+      break
     for name in rng.permutation(names):  # interleaved, in a random order each round
       r = runs[name]
       start = time.perf_counter()
-      r["p"], r["s"] = r["compiled"](r["p"], r["s"], grads)
+      r["p"], r["s"] = r["compiled"](r["p"], r["s"], r["grads"])
       jax.block_until_ready(r["p"])
       r["times"].append(time.perf_counter() - start)
+
+
+def summarize(runs: dict, n: int) -> dict:
+  """Per run: the median step time, and its time and bytes as ratios to `plain`'s."""
   base = runs["plain"]
   param_bytes = 4 * n
   return {
@@ -194,9 +214,26 @@ def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0)
           "bytes_ratio": r["bytes"] / base["bytes"],
           "temps_bytes": r["temps"],
           "temps_vs_params": r["temps"] / param_bytes,
+          "reps": len(r["times"]),
       }
       for name, r in runs.items()
   }
+
+
+def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0) -> dict:
+  runs = compile_variants(n, leaves, variants(optimizer, clip_norm))
+  time_runs(runs, reps, seed)
+  return summarize(runs, n)
+
+
+HEADER = (f"{'params':>8s} {'leaves':>6s} {'variant':>33s} {'ms':>8s} {'time×':>6s} "
+          f"{'bytes×':>7s} {'temps MB':>9s} {'temps/params':>12s}")
+
+
+def format_row(n: int, leaves: int, name: str, r: dict) -> str:
+  return (f"{int(n):8.0e} {leaves:6d} {name:>33s} {r['median_ms']:8.2f} "
+          f"{r['time_ratio']:6.2f} {r['bytes_ratio']:7.3f} {r['temps_bytes'] / 1e6:9.1f} "
+          f"{r['temps_vs_params']:12.2f}")
 
 
 def main(argv=None) -> None:
@@ -216,17 +253,13 @@ def main(argv=None) -> None:
   print(f"# {device.platform.upper()} {device.device_kind}, {machine}, "
         f"jax {jax.__version__}, optax {optax.__version__}, inner="
         f"{'clip+adam' if args.clip else 'adam'}; ratios vs plain, same process, interleaved")
-  header = f"{'params':>8s} {'leaves':>6s} {'variant':>33s} {'ms':>8s} {'time×':>6s} " \
-           f"{'bytes×':>7s} {'temps MB':>9s} {'temps/params':>12s}"
-  print(header)
+  print(HEADER)
   results = []
   for n in args.params:
     for leaves in args.leaves:
       row = measure(int(n), leaves, optax.adam(1e-3), clip_norm, args.reps)
       for name, r in row.items():
-        print(f"{int(n):8.0e} {leaves:6d} {name:>33s} {r['median_ms']:8.2f} "
-              f"{r['time_ratio']:6.2f} {r['bytes_ratio']:7.3f} {r['temps_bytes'] / 1e6:9.1f} "
-              f"{r['temps_vs_params']:12.2f}")
+        print(format_row(n, leaves, name, r))
       results.append({"params": int(n), "leaves": leaves, "results": row})
   if args.json:
     with open(args.json, "w") as f:

@@ -64,12 +64,13 @@ VARIANTS = {"unprobed": (False, contextlib.nullcontext),
     for group, classes in GROUPS.items()}
 
 
-def build(graphdef, init, tokens) -> tuple[dict, dict, dict, dict]:
-  """Each variant's step, state after one step, XLA's bytes accessed and its temporary
-  buffers' size (what the step holds beyond its inputs and outputs: activations kept
-  for the backward pass among them)."""
+def build(graphdef, init, tokens, names=tuple(VARIANTS)) -> tuple[dict, dict, dict, dict]:
+  """Each variant's step (of those in `names`), state after one step, XLA's bytes
+  accessed and its temporary buffers' size (what the step holds beyond its inputs and
+  outputs: activations kept for the backward pass among them)."""
   steps, states, bytes_accessed, temp_bytes = {}, {}, {}, {}
-  for name, (probes, context) in VARIANTS.items():
+  for name in names:
+    probes, context = VARIANTS[name]
     steps[name], states[name] = transformer.make_step(graphdef, probes), init()
     with context():  # traced and compiled here, once
       compiled = steps[name].lower(states[name], tokens).compile()

@@ -6,12 +6,15 @@ be (by the reciprocal of the loss scale), with the first magnitude that overflow
 whether gradients stay finite once unscaled is known without unscaling them. `agree`
 makes every replica of a `shard_map`, `pmap` or named `vmap` see the same answer with one
 collective.
-Why the reduction looks as it does: benchmarks/RESULTS.md, "A NaN that a max-reduction
-loses" and "One decision, compiled once".
+The reduction has two forms, chosen by `by_platform`: on CPU, small leaves concatenated
+and large ones reduced in rows (tuned for XLA:CPU); elsewhere one reduction per leaf, as
+jmp's check. Why: benchmarks/RESULTS.md, "A NaN that a max-reduction loses", "One
+decision, compiled once" and "The step's GPU form".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
@@ -25,9 +28,9 @@ from jax_lossscale import _trees
 
 AxisName = Hashable | Sequence[Hashable] | None
 
-# Leaves below _SMALL elements are checked together, from concatenations of at most
-# _CHUNK elements and _OPERANDS leaves (compile time: benchmarks/RESULTS.md). Leaves of
-# at least _SPLIT elements are reduced in _SPLIT_ROWS rows, which XLA:CPU runs in
+# On CPU, leaves below _SMALL elements are checked together, from concatenations of at
+# most _CHUNK elements and _OPERANDS leaves (compile time: benchmarks/RESULTS.md). Leaves
+# of at least _SPLIT elements are reduced in _SPLIT_ROWS rows, which XLA:CPU runs in
 # parallel.
 _SMALL = 1 << 12
 _CHUNK = 1 << 20
@@ -35,6 +38,17 @@ _OPERANDS = 64
 _SPLIT = 1 << 18
 _SPLIT_ROWS = 4
 _IDENTITY = _numerics.Rescale()
+
+
+def by_platform(*args: Any, cpu: Callable[..., Any], default: Callable[..., Any]) -> Any:
+  """`cpu(*args)` in a program run on CPU, `default(*args)` elsewhere.
+
+  `lax.platform_dependent`: a program lowered for one platform holds that platform's
+  form only (behind a conditional on a constant, which XLA removes); one exported for
+  several chooses when it runs. The one place where the step's form depends on the
+  platform (`tests/helpers.force_branch` replaces it to trace either form anywhere).
+  """
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
 def _max_min(a, b):
@@ -116,12 +130,34 @@ def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
 
 
 @jax.jit
-def _largest_magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
+def _largest_in_chunks(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Per dtype, the largest magnitude: small leaves concatenated, large ones in rows."""
   largest = []
   for group in _groups(leaves).values():
     partials = [_partials(g[0] if len(g) == 1 else jnp.concatenate([y.ravel() for y in g]))
                 for g in group]
     largest.append(_combine(*(jnp.concatenate(p) for p in zip(*partials, strict=True))))
+  return largest
+
+
+def _largest_of_leaf(x: jax.Array) -> jax.Array:
+  """`max |x|` of one array (NaN as +inf) in one reduction, in its compute dtype."""
+  if jnp.iscomplexobj(x):
+    return jax.lax.max(_largest_of_leaf(x.real), _largest_of_leaf(x.imag))
+  x = jnp.abs(x.astype(_numerics.compute_dtype(x.dtype)))
+  inf = jnp.array(jnp.inf, x.dtype)
+  return jax.lax.reduce(jnp.where(jnp.isnan(x), inf, x), -inf, jax.lax.max,
+                        tuple(range(x.ndim)))
+
+
+@jax.jit
+def _largest_per_leaf(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Per dtype, the largest magnitude: one reduction per leaf, then one over the leaves
+  (a variadic one, as `_combine`'s: XLA keeps it a reduction, not a chain of maxima)."""
+  largest = []
+  for group in _groups(leaves).values():
+    per_leaf = jnp.stack([_largest_of_leaf(x) for chunk in group for x in chunk])
+    largest.append(_combine(per_leaf, -per_leaf))
   return largest
 
 
@@ -133,7 +169,10 @@ def largest_magnitudes(tree: Any) -> list[tuple[jnp.dtype, jax.Array]]:
   """
   leaves = _trees.float_leaves(tree)
   dtypes = list(_groups(leaves))
-  return list(zip(dtypes, _largest_magnitudes(leaves), strict=True)) if dtypes else []
+  if not dtypes:
+    return []
+  largest = by_platform(leaves, cpu=_largest_in_chunks, default=_largest_per_leaf)
+  return list(zip(dtypes, largest, strict=True))
 
 
 def largest_of(largest: list[tuple[jnp.dtype, jax.Array]]) -> jax.Array:

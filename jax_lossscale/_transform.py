@@ -425,10 +425,11 @@ def global_norm(tree: Any) -> jax.Array:
 # copy them; on GPU and TPU a select fuses into the optimizer's own kernels, where a `cond`
 # would split them (benchmarks/RESULTS.md, "Why `cond` on CPU and `where` elsewhere").
 #
-# Both are one program: a `lax.cond` whose predicate is forced true off CPU, around a
-# select that is forced to its first operand on CPU. `on_cpu` is a constant once the
-# program is lowered for one platform, so XLA removes the cond or the select; a program
-# exported for several platforms reads it when it runs. The step is traced once.
+# Both are one program: on CPU a `lax.cond` around a select that is forced to its first
+# operand (`on_cpu` is a constant once the program is lowered for one platform, so XLA
+# removes the select); elsewhere the select alone (`run_or_pass` holds the cond in its CPU
+# form only). A program exported for several platforms chooses when it runs. The inner
+# optimizer is traced once.
 #
 # What a step gives may hold static leaves (strings, functions of equinox modules); a
 # skipped step's are those of the running step, see `_trees.arrays_of`.
@@ -466,17 +467,21 @@ class Emitted(NamedTuple):
 
 
 def on_cpu() -> jax.Array:
-  """Bool scalar: whether the program runs on CPU (`lax.platform_dependent`)."""
-  return jax.lax.platform_dependent(cpu=lambda: jnp.array(True), default=lambda: jnp.array(False))
+  """Bool scalar: whether the program runs on CPU (`_finite.by_platform`)."""
+  return _finite.by_platform(cpu=lambda: jnp.array(True), default=lambda: jnp.array(False))
 
 
 def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any) -> Any:
-  """`fn()` if `pred` else `passed`, by `lax.cond`; the outputs may hold static leaves,
-  which must be `passed`'s. The skipping branch returns its operands as they came, so
-  XLA makes it no computation at all (rebuilding them cost a thousand-leaf
-  `apply_gradients` about 0.2 s more to compile: benchmarks/RESULTS.md)."""
+  """On CPU, `fn()` if `pred` else `passed`, by `lax.cond`; elsewhere `fn()`, where `pred`
+  is true (`... | ~on_cpu()`), so a GPU program holds no conditional. The outputs may
+  hold static leaves, which must be `passed`'s. The skipping branch returns its operands
+  as they came, so XLA makes it no computation at all (rebuilding them cost a
+  thousand-leaf `apply_gradients` about 0.2 s more to compile: benchmarks/RESULTS.md)."""
   arrays, static = _trees.partition(passed)
-  out = jax.lax.cond(pred, lambda _: _trees.arrays_of(fn, static)(), lambda ops: ops, arrays)
+  run = _trees.arrays_of(fn, static)
+  out = _finite.by_platform(
+      arrays, cpu=lambda ops: jax.lax.cond(pred, lambda _: run(), lambda ops: ops, ops),
+      default=lambda ops: run())
   return _trees.combine(out, static)
 
 

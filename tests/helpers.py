@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_lossscale import _finite
 from jax_lossscale import _transform
 from jax_lossscale import diagnostics
 from jax_lossscale import probes as pr
@@ -22,13 +23,17 @@ RTOL = 1e-6
 
 @contextlib.contextmanager
 def force_branch(name: str):
-  """Traces a step as for the platform of branch `name` ("cpu": the `lax.cond`,
-  "default": the GPU/TPU select) whatever the platform, so the CPU suite compiles and runs
-  the GPU/TPU one.
+  """Traces a step as for the platform of branch `name` ("cpu": the `lax.cond` and the
+  check's reductions in chunks and rows, "default": the GPU/TPU select and one reduction
+  per leaf) whatever the platform, so the CPU suite compiles and runs the GPU/TPU one.
 
   Jitted functions must be traced inside the context.
   """
+  def by_platform(*args, cpu, default):
+    return (cpu if name == "cpu" else default)(*args)
+
   with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_finite, "by_platform", by_platform)
     patch.setattr(_transform, "on_cpu", lambda: jnp.array(name == "cpu"))
     yield
 

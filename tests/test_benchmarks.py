@@ -46,3 +46,48 @@ def test_the_probes_benchmark_counts_what_its_probes_read_and_checks_the_plain_p
   elements = probes.probed_elements(model, tokens)
   assert elements["all"] > 0 and set(elements) == {*probes.GROUPS, "all"}
   assert probes.unprobed_program_is_unchanged(model, tokens)
+
+
+def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_path, capsys):
+  suite = script("gpu_suite")
+  results = tmp_path / "RESULTS.md"
+  # Budgets far above the toy sizes' needs: no part stops early on a loaded machine.
+  suite.main(["--smoke", "--results", str(results), "--scale", "100"])
+  printed, written = capsys.readouterr().out, results.read_text()
+  assert written.startswith("\n## GPU suite: ") and "FAILED" not in printed
+  for title, _, _ in suite.PARTS:
+    assert f"```\n# {title}" in written
+  for row in ["jls.apply_gradients", "form: cond, rows (CPU's)", "form: select, not inlined",
+              "jmp", "float16, autocast", "bfloat16, autocast", "probed", "float32"]:
+    assert f" {row} " in printed
+
+
+def test_a_gpu_suite_part_that_overruns_its_budget_keeps_its_rows_and_the_next_part_runs(
+    monkeypatch, capsys):
+  suite = script("gpu_suite")
+
+  def overrunning(sizes, budget, table):
+    table.rows.append("measured before the deadline")
+    while True:
+      budget.check()
+
+  def next_part(sizes, budget, table):
+    table.rows.append("the next part's row")
+
+  monkeypatch.setattr(suite, "PARTS", [("slow", 0.2, overrunning), ("next", 10, next_part)])
+  slow, after = suite.run_parts(suite.SMOKE)
+  assert slow.rows == ["measured before the deadline"] and "stopped at its budget" in slow.notes[0]
+  assert after.rows == ["the next part's row"] and not slow.failed
+  assert "# stopped at its budget" in capsys.readouterr().out
+
+
+def test_a_gpu_suite_part_that_fails_is_recorded_and_fails_the_run(monkeypatch, tmp_path):
+  suite = script("gpu_suite")
+
+  def failing(sizes, budget, table):
+    raise RuntimeError("no such kernel")
+
+  monkeypatch.setattr(suite, "PARTS", [("broken", 10, failing)])
+  with pytest.raises(SystemExit, match="broken"):
+    suite.main(["--smoke", "--results", str(tmp_path / "R.md")])
+  assert "FAILED: RuntimeError: no such kernel" in (tmp_path / "R.md").read_text()

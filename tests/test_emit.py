@@ -5,9 +5,12 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from helpers import force_branch
+from jax.interpreters import mlir
 
+import jax_lossscale as jls
 from jax_lossscale import _transform
 
 
@@ -85,3 +88,76 @@ def test_both_branches_emit_the_same_results_with_static_leaves(branch, should_a
   chex.assert_trees_all_equal(state["mu"], jnp.full(2, 3.0 if expected_applied else 0.0))
   # Updates are only checked when the step runs.
   assert bool(updates_finite) == (not (should_apply and finite is False))
+
+
+# --- the step's form in a program lowered for one platform, read as MLIR operations -------
+
+LEAF = 1 << 18  # large enough for the CPU form to reduce it in rows
+
+
+def lowered_step_operations(platform: str, fused: bool) -> list:
+  """The operations of Adam's `loss_scaling` step exported for `platform` alone (every
+  function of the module, nested regions included), with 3 leaves of `LEAF` elements."""
+  params = {f"leaf_{i}": jnp.full((LEAF,), 0.5) for i in range(3)}
+  tx = jls.loss_scaling(optax.adam(1e-3))
+
+  def step(params, state, grads):
+    return tx.apply_gradients(grads, state, params) if fused else tx.update(grads, state, params)
+
+  exported = jax.export.export(jax.jit(step), platforms=[platform])(
+      params, tx.init(params), params)
+  with mlir.make_ir_context():
+    module = mlir.ir.Module.parse(exported.mlir_module())
+    return [(op.name, decided_when_compiled(op), [str(x.type) for x in op.operands])
+            for op in nested_operations(module.operation)]
+
+
+def nested_operations(op):
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        yield inner.operation
+        yield from nested_operations(inner.operation)
+
+
+def decided_when_compiled(op) -> bool:
+  """Whether a `stablehlo.case` chooses by a constant: a constant index, or the index that
+  `lax.platform_dependent` maps by a `case` of constants, both removed by XLA."""
+  if op.name != "stablehlo.case":
+    return False
+  index = op.operands[0].owner
+  index = getattr(index, "operation", index)
+  if index.name == "stablehlo.constant":
+    return True
+  return index.name == "stablehlo.case" and all(
+      result.owner.operation.name == "stablehlo.constant"
+      for region in index.regions for block in region.blocks
+      for result in list(block.operations)[-1].operands)
+
+
+def gradient_reductions(operations) -> list[list[str]]:
+  """The operand types of every reduction that reads a leaf-sized array."""
+  return [types for name, _, types in operations
+          if name == "stablehlo.reduce" and any(str(LEAF // 4) in t or str(LEAF) in t
+                                                for t in types)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_a_cuda_program_holds_no_conditional_decided_when_it_runs(fused):
+  # On GPU a select fuses into the optimizer's kernels; a conditional would split them.
+  cases = [decided for name, decided, _ in lowered_step_operations("cuda", fused)
+           if name == "stablehlo.case"]
+  assert all(cases), cases
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_a_cuda_program_checks_each_gradient_leaf_with_one_reduction_as_jmp_does(fused):
+  reductions = gradient_reductions(lowered_step_operations("cuda", fused))
+  assert reductions == [[f"tensor<{LEAF}xf32>", "tensor<f32>"]] * 3, reductions
+
+
+def test_a_cpu_program_keeps_the_cond_and_the_reductions_in_rows():
+  operations = lowered_step_operations("cpu", fused=True)
+  assert any(name == "stablehlo.case" and not decided for name, decided, _ in operations)
+  reductions = gradient_reductions(operations)
+  assert len(reductions) == 3 and all(t[0] == f"tensor<4x{LEAF // 4}xf32>" for t in reductions)

@@ -174,6 +174,21 @@ def test_largest_magnitudes_are_exact_per_dtype():
       jnp.float32(3.2e38))
 
 
+@pytest.mark.parametrize("bad", [None, jnp.nan, jnp.inf, -jnp.inf])
+def test_both_forms_of_the_check_give_the_same_largest_magnitudes(branch, bad):
+  # On CPU small leaves are concatenated and large ones reduced in rows; elsewhere each
+  # leaf is reduced alone: the same answer, exactly.
+  leaves = [jnp.full((1 << 18) + 3, -2.5), *[jnp.full((16, 16), 1.5 + i) for i in range(70)],
+            jnp.array([3e38 + 1j, -2 - 3.2e38j], jnp.complex64), jnp.ones(5, jnp.float16),
+            jnp.zeros((0, 3)), jnp.array(-7.0)]
+  if bad is not None:
+    leaves[0] = leaves[0].at[(1 << 18) + 1].set(bad)
+    leaves[3] = leaves[3].at[2, 2].set(bad)
+  largest = [(d.name, float(m)) for d, m in _finite.largest_magnitudes(leaves)]
+  assert largest == [("float32", 70.5 if bad is None else np.inf),
+                     ("complex64", float(jnp.float32(3.2e38))), ("float16", 1.0)]
+
+
 def test_complex_leaves_are_checked_component_by_component():
   # |z| of two finite components can overflow; each component's magnitude cannot.
   z = jnp.array([3e38 + 3e38j, 1 - 2j], jnp.complex64)
