@@ -306,7 +306,8 @@ class _Interpreter:
     def rule(primals, tangents):
       outs = fun(*primals)
       _, traced = jax.jvp(original, _as_traced(op, list(primals)), _as_traced(op, list(tangents)))
-      return outs, [_cast(t, _dtype(out)) for t, out in zip(traced, outs, strict=True)]
+      return outs, [_cast(t, _dtype(out)) if _is_floating(t) else t  # not an integer's float0
+                    for t, out in zip(traced, outs, strict=True)]
 
     return fun(*operands)
 

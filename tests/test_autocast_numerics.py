@@ -175,6 +175,21 @@ def test_a_jitted_function_runs_on_the_dtypes_its_operands_have():
   assert dtypes_of(ran, "tanh") == {"float16"}
 
 
+@jax.custom_jvp
+def twice_and_count(x):
+  return x * 2, jnp.sum(x > 0)
+
+
+twice_and_count.defjvp(lambda primals, tangents: (
+    twice_and_count(*primals), (tangents[0] * 2, np.zeros((), jax.dtypes.float0))))
+
+
+def test_a_custom_jvp_function_with_an_integer_result_is_differentiated_by_its_rule():
+  loss = lambda w: jnp.sum(jls.autocast(lambda w, x: twice_and_count(x @ w)[0])(w, X))
+  np.testing.assert_allclose(jax.grad(loss)(W), jax.grad(
+      lambda w: jnp.sum(twice_and_count(X @ w)[0]))(W), rtol=1e-2)
+
+
 def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
   square = jax.random.normal(KEYS[2], (32, 32)) / 6
   ran = forward_dtypes(jls.autocast(lambda w, x: x + x @ w), square, X)
