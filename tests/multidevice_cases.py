@@ -322,7 +322,7 @@ def test_raise_if_stuck_reads_a_pmapped_state():
   step = jax.pmap(tx.apply_gradients, axis_name="batch")
   for _ in range(3):
     params, state = step({"w": jnp.full((8, 4), jnp.inf)}, state, params)
-  with pytest.raises(jls.LossScaleStuckError, match="the last 3 steps were all skipped"):
+  with pytest.raises(jls.LossScaleStuckError, match=r"\b3\b.*max_consecutive_skips=2\b"):
     jls.raise_if_stuck(state, max_consecutive_skips=2)
 
 
@@ -380,7 +380,7 @@ def test_a_vmap_axis_named_inside_shard_map_with_check_vma_is_refused_naming_axi
   g = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P("data")))
   per_device = lambda x: jax.vmap(lambda t: jls.all_finite(t, axis_name="v"),
                                   axis_name="v")(x[0])[None]
-  with pytest.raises(ValueError, match="`axis_name` must name axes.*got 'v'"):
+  with pytest.raises(ValueError, match="`axis_name`.*'v'"):
     jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(g)
 
 
