@@ -183,19 +183,16 @@ def _is_floating(x: Any) -> bool:
 
 
 def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> jax.Array:
-  """The float32 factor that takes a tensor of largest magnitude `amax` to `fmt`'s largest
-  value; 1 where `amax` is 0 or not finite (what is scaled stays non-finite, and the next
-  call computes its scale afresh), and never above float32's largest value."""
-  largest = float(jnp.finfo(fmt).max)
-  usable = jnp.isfinite(amax) & (amax > 0)
-  factor = jnp.minimum(largest / jnp.where(usable, amax, 1.0), float(jnp.finfo(_F32).max))
-  factor = jnp.where(usable, factor, 1.0)
-  if power_of_two:  # its exponent bits alone (XLA's exp2 is not exact)
+  """The float32 factor that takes a tensor of largest magnitude `amax` just inside `fmt`'s
+  largest value (by 2**-20, so that rounding never takes it past); 1 where `amax` is 0, not
+  finite (what is scaled stays non-finite, and the next call computes its scale afresh) or
+  so small (below 1e-36) that the factor would overflow float32."""
+  factor = float(jnp.finfo(fmt).max) * (1 - 2**-20) / amax
+  factor = jnp.where(jnp.isfinite(factor) & (factor > 0), factor, 1.0)
+  if power_of_two:  # its exponent bits alone: rounded down, exactly (XLA's exp2 is not exact)
     bits = lax.bitcast_convert_type(factor, jnp.int32) & np.int32(0x7F800000)
     factor = lax.bitcast_convert_type(bits, _F32)
-  # Rounding can take `amax * factor` a hair past `largest`: step the factor down once.
-  smaller = factor / 2 if power_of_two else jnp.nextafter(factor, jnp.zeros_like(factor))
-  return jnp.where(usable & (amax * factor > largest), smaller, factor)
+  return factor
 
 
 def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> tuple:
@@ -209,18 +206,40 @@ def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> 
 
 
 def to_float8(values: jax.Array, fmt: np.dtype) -> jax.Array:
-  """Scaled `values` cast to `fmt`, saturating at its largest finite value; inf and NaN
-  stay non-finite (e4m3 has no inf: they become NaN), so an overflow is still seen."""
-  largest = float(jnp.finfo(fmt).max)
-  clipped = jnp.where(jnp.isfinite(values), jnp.clip(values, -largest, largest), values)
-  return clipped.astype(fmt)
+  """`scaled` values cast to `fmt`: none is past its largest value (`scale` sees to it),
+  and inf and NaN stay non-finite (e4m3 has no inf: they become NaN), so an overflow is
+  still seen."""
+  return values.astype(fmt)
+
+
+class Quantized(NamedTuple):
+  """A tensor in float8 and the float32 factor it was scaled by (of the tensor's rank,
+  of size 1 along the axes its amax was taken over).
+
+  Attributes:
+    values: the scaled tensor, in float8.
+    factor: the scale.
+  """
+  values: jax.Array
+  factor: jax.Array
+
+  @property
+  def ndim(self) -> int:
+    return self.values.ndim
+
+
+def quantize(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> Quantized:
+  values, factor = scaled(x, fmt, contract, recipe)
+  return Quantized(to_float8(values, fmt), factor)
 
 
 def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
                   others: int) -> jax.Array:
   """An operand's scale laid out for `dot_general`'s result (batch axes, the left
   operand's other axes, the right operand's), with `others` axes of size 1 for the
-  other operand's free axes."""
+  other operand's free axes; a scalar for a tensor's one scale."""
+  if factor.size == 1:
+    return factor.reshape(())
   free = _others(factor.ndim, contract, batch)
   order = list(batch) + free
   shape = [factor.shape[axis] for axis in order]
@@ -232,18 +251,20 @@ def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
   return jnp.transpose(factor, order + list(contract)).reshape(shape)
 
 
-def scaled_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, lhs_format: np.dtype,
-               rhs_format: np.dtype, recipe: Float8Recipe) -> jax.Array:
-  """`dot_general(lhs, rhs)` on float8 operands, in float32, the scales divided out."""
+def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension_numbers: Any,
+               lhs_format: np.dtype, rhs_format: np.dtype, recipe: Float8Recipe) -> jax.Array:
+  """`dot_general(lhs, rhs)` on float8 operands (each quantized here unless it is already
+  `Quantized`), in float32, the scales divided out."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  lhs_values, lhs_scale = scaled(lhs, lhs_format, lhs_contract, recipe)
-  rhs_values, rhs_scale = scaled(rhs, rhs_format, rhs_contract, recipe)
-  out = lax.dot_general(to_float8(lhs_values, lhs_format), to_float8(rhs_values, rhs_format),
-                        dimension_numbers, preferred_element_type=_F32)
+  if not isinstance(lhs, Quantized):
+    lhs = quantize(lhs, lhs_format, lhs_contract, recipe)
+  if not isinstance(rhs, Quantized):
+    rhs = quantize(rhs, rhs_format, rhs_contract, recipe)
+  out = lax.dot_general(lhs.values, rhs.values, dimension_numbers, preferred_element_type=_F32)
   lhs_free = len(_others(lhs.ndim, lhs_contract, lhs_batch))
   rhs_free = len(_others(rhs.ndim, rhs_contract, rhs_batch))
-  out = out / _output_scale(lhs_scale, lhs_batch, lhs_contract, True, rhs_free)
-  return out / _output_scale(rhs_scale, rhs_batch, rhs_contract, False, lhs_free)
+  out = out / _output_scale(lhs.factor, lhs_batch, lhs_contract, True, rhs_free)
+  return out / _output_scale(rhs.factor, rhs_batch, rhs_contract, False, lhs_free)
 
 
 def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any) -> jax.Array:
@@ -317,14 +338,19 @@ def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
 
 
 def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
-  return _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype), (lhs, rhs)
+  (lhs_contract, rhs_contract), _ = dimension_numbers
+  if recipe.granularity == "tensor":  # the backward matmuls take the same scales: kept in float8
+    lhs = quantize(lhs, recipe.lhs_format, lhs_contract, recipe)
+    rhs = quantize(rhs, recipe.rhs_format, rhs_contract, recipe)
+  out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
+  return out.astype(dtype), (lhs, rhs)
 
 
 def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
-  lhs, rhs = residuals
+  lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew along rows)
   lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(recipe),
                                 recipe)
-  return lhs_bar.astype(lhs.dtype), rhs_bar.astype(rhs.dtype)
+  return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
 _float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
