@@ -1,7 +1,8 @@
 """`autocast`'s numerics: constants outside the compute dtype's range, a matmul's bias,
 8-bit floats, and the sums that differentiation adds.
 
-Values against float32; dtypes on the traced program (`precision_summary`).
+Values against float32; dtypes on the traced program (`precision_summary`); the memory
+of a biased layer against the model cast by hand (XLA's memory analysis).
 """
 
 import equinox as eqx
@@ -193,6 +194,28 @@ def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
   square = jax.random.normal(KEYS[2], (32, 32)) / 6
   ran = forward_dtypes(jls.autocast(lambda w, x: x + x @ w), square, X)
   assert ran["add"] == {F32}
+
+
+def test_a_biased_tanh_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models():
+  class MLP(linen.Module):
+    dtype: object = None
+
+    @linen.compact
+    def __call__(self, x):
+      for width in (512, 512, 512):
+        x = jnp.tanh(linen.Dense(width, dtype=self.dtype)(x))
+      return linen.Dense(1, dtype=self.dtype)(x)
+
+  x = jax.random.normal(KEYS[0], (1024, 64))
+  variables = MLP().init(KEYS[1], x)
+
+  def temporaries(model, wrap):
+    loss = wrap(lambda v, x: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2))
+    step = jax.jit(jax.value_and_grad(loss)).lower(variables, x).compile()
+    return step.memory_analysis().temp_size_in_bytes
+
+  hand_cast = temporaries(MLP(jnp.float16), lambda f: f)
+  assert temporaries(MLP(), jls.autocast) <= 1.02 * hand_cast
 
 
 # --- 8-bit floats ---------------------------------------------------------------------
