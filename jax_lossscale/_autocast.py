@@ -262,7 +262,9 @@ class _Interpreter:
     @fun.defjvp
     def rule(primals, tangents):
       outs = fun(*primals)
-      _, traced = jax.jvp(original, _as_traced(op, list(primals)), _as_traced(op, list(tangents)))
+      args = _as_traced(op, list(primals)), _as_traced(op, list(tangents))
+      derivative, _ = internals.trace(lambda p, t: jax.jvp(original, p, t)[1], list(args))
+      traced = self._evaluate(derivative, [*primals, *tangents])
       return outs, [_cast(t, _dtype(out)) if _is_floating(t) else t  # not an integer's float0
                     for t, out in zip(traced, outs, strict=True)]
 
@@ -323,7 +325,7 @@ def _widest(op: internals.Operation, operands: list) -> list:
   if not floating:
     return operands
   yielding = [i for i in floating if op.inputs[i].weak or op.inputs[i].scalar_constant
-              or _is_bias(op, operands, i)]
+              or _is_filled(op, operands, i) or _is_bias(op, operands, i)]
   strong = [_dtype(operands[i]) for i in floating if i not in yielding]
   target = functools.reduce(jnp.promote_types, strong or [_dtype(operands[i]) for i in floating])
   for i in yielding:
@@ -341,6 +343,15 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   result = operands[1 - i]
   return (op.origin(1 - i).primitive in MATMUL and _is_floating(result)
           and math.prod(jnp.shape(operands[i])) < math.prod(jnp.shape(result)))
+
+
+def _is_filled(op: internals.Operation, operands: list, i: int) -> bool:
+  """Whether operand `i` is a scalar constant broadcast to another operand's shape
+  (`jnp.zeros_like(g)` in a derivative rule): a scalar constant, which does not widen."""
+  constant = op.origin(i).constant
+  return constant is not None and np.ndim(constant) == 0 and any(
+      j != i and _is_floating(x) and jnp.shape(x) == jnp.shape(operands[i])
+      and op.origin(j).constant is None for j, x in enumerate(operands))
 
 
 def _keeps_magnitude(value: Any, dtype: np.dtype) -> bool:
