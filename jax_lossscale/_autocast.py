@@ -47,13 +47,13 @@ float32 rows, and its backward pass scatter-adds float32 cotangents.
 A jitted function and a `checkpoint` are autocast as if inlined: their programs are
 traced again for the dtypes their operands have (a `jnp.where` or `jax.nn.relu` on a
 float16 activation stays float16). A `custom_jvp` function runs on its operands as they
-are, autocast in turn, and its rule as the user wrote it, on the traced dtypes. Where JAX
-checks types, values keep the dtypes they were traced with: the inputs and outputs of a
-loop body, a branch, a `custom_vjp` function and a `shard_map` are cast back to their
-traced dtypes, and the programs inside are autocast in turn (the custom rules themselves
-run as the user wrote them). A
-primitive holding programs that `autocast` does not know (a `pallas_call`), and a call to
-foreign code (`ffi_call`), runs at its traced precision, with a warning naming it.
+are, autocast in turn, and so does its rule's program (traced on the traced dtypes).
+Where JAX checks types, values keep the dtypes they were traced with: the inputs and
+outputs of a loop body, a branch, a `custom_vjp` function and a `shard_map` are cast
+back to their traced dtypes, and the programs inside are autocast in turn (a
+`custom_vjp`'s rules run as the user wrote them). A primitive holding programs that
+`autocast` does not know (a `pallas_call`), and a call to foreign code (`ffi_call`),
+runs at its traced precision, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16) -> Calla
   values is not possible), then run operation by operation: call the result under
   `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
   flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
-  A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
-  differentiation, its rule replaces its autocast function. The operations that
+  A custom derivative rule (`custom_jvp`, `custom_vjp`) is kept: under differentiation,
+  its rule replaces its autocast function (a `custom_jvp` rule's operations autocast in
+  turn, a `custom_vjp`'s at their traced precision). The operations that
   differentiation adds run at the precision of what they differentiate (a matmul's in
   `compute_dtype`); `autocast(jax.value_and_grad(loss))` chooses theirs too (their sums
   in float32).
@@ -250,8 +251,9 @@ class _Interpreter:
 
   def _custom_jvp(self, op: internals.Operation, operands: list) -> list:
     """A `custom_jvp` function (`jax.nn.relu`) on its operands as they are, autocast like
-    any other code (a float16 activation stays float16); its rule runs as written, on the
-    traced dtypes, its tangents cast to the function's results' dtypes."""
+    any other code (a float16 activation stays float16); its rule's program, traced on the
+    traced dtypes, autocast on the primals and tangents as they are (what it keeps for the
+    backward pass stays float16 too), its tangents cast to the function's results' dtypes."""
     program = op.param("call_jaxpr")
     original = lambda *args: op.bind(_as_traced(op, list(args)))
 
