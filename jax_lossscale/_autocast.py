@@ -50,14 +50,13 @@ float32 rows, and its backward pass scatter-adds float32 cotangents.
 A jitted function and a `checkpoint` are autocast as if inlined: their programs are
 traced again for the dtypes their operands have (a `jnp.where` or `jax.nn.relu` on a
 float16 activation stays float16). A `custom_jvp` function runs on its operands as they
-are, autocast in turn, and its rule as the user wrote it, on the traced dtypes. Where JAX
-checks types, values keep the dtypes they were traced with: the inputs and outputs of a
-loop body, a branch, a `custom_vjp` function and a `shard_map` are cast back to their
-traced dtypes, and the programs inside are autocast in turn (the custom rules themselves
-run as the user wrote them). A
-primitive holding programs that `autocast` does not know (a `pallas_call`), and a call to
-foreign code (`ffi_call`), runs at its traced precision, with a warning naming it at the
-user's line that calls it.
+are, autocast in turn, and so does its rule's program (traced on the traced dtypes).
+Where JAX checks types, values keep the dtypes they were traced with: the inputs and
+outputs of a loop body, a branch, a `custom_vjp` function and a `shard_map` are cast
+back to their traced dtypes, and the programs inside are autocast in turn (a
+`custom_vjp`'s rules run as the user wrote them). A primitive holding programs that
+`autocast` does not know (a `pallas_call`), and a call to foreign code (`ffi_call`),
+runs at its traced precision, with a warning naming it at the user's line that calls it.
 """
 
 from __future__ import annotations
@@ -137,8 +136,9 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   depends on, as `jax.jit`'s does), then run operation by operation: call the result under
   `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
   flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
-  A custom derivative rule (`custom_jvp`, `custom_vjp`) runs as written: under
-  differentiation, its rule replaces its autocast function. The operations that
+  A custom derivative rule (`custom_jvp`, `custom_vjp`) is kept: under differentiation,
+  its rule replaces its autocast function (a `custom_jvp` rule's operations autocast in
+  turn, a `custom_vjp`'s at their traced precision). The operations that
   differentiation adds run at the precision of what they differentiate (a matmul's in
   `compute_dtype`); `autocast(jax.value_and_grad(loss))` chooses theirs too (their sums
   in float32).
@@ -293,8 +293,9 @@ class _Interpreter:
 
   def _custom_jvp(self, op: internals.Operation, operands: list) -> list:
     """A `custom_jvp` function (`jax.nn.relu`) on its operands as they are, autocast like
-    any other code (a float16 activation stays float16); its rule runs as written, on the
-    traced dtypes, its tangents cast to the function's results' dtypes."""
+    any other code (a float16 activation stays float16); its rule's program, traced on the
+    traced dtypes, autocast on the primals and tangents as they are (what it keeps for the
+    backward pass stays float16 too), its tangents cast to the function's results' dtypes."""
     program = op.param("call_jaxpr")
     original = lambda *args: op.bind(_as_traced(op, list(args)))
 
@@ -305,7 +306,9 @@ class _Interpreter:
     @fun.defjvp
     def rule(primals, tangents):
       outs = fun(*primals)
-      _, traced = jax.jvp(original, _as_traced(op, list(primals)), _as_traced(op, list(tangents)))
+      args = _as_traced(op, list(primals)), _as_traced(op, list(tangents))
+      derivative, _ = internals.trace(lambda p, t: jax.jvp(original, p, t)[1], list(args))
+      traced = self._evaluate(derivative, [*primals, *tangents])
       return outs, [_cast(t, _dtype(out)) if _is_floating(t) else t  # not an integer's float0
                     for t, out in zip(traced, outs, strict=True)]
 
@@ -376,7 +379,7 @@ def _widest(op: internals.Operation, operands: list) -> list:
   if not floating:
     return operands
   yielding = [i for i in floating if op.inputs[i].weak or op.inputs[i].scalar_constant
-              or _is_bias(op, operands, i)]
+              or _is_filled(op, operands, i) or _is_bias(op, operands, i)]
   strong = [_dtype(operands[i]) for i in floating if i not in yielding]
   target = functools.reduce(jnp.promote_types, strong or [_dtype(operands[i]) for i in floating])
   for i in yielding:
@@ -394,6 +397,15 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   result = operands[1 - i]
   return (op.origin(1 - i).primitive in MATMUL and _is_floating(result)
           and math.prod(jnp.shape(operands[i])) < math.prod(jnp.shape(result)))
+
+
+def _is_filled(op: internals.Operation, operands: list, i: int) -> bool:
+  """Whether operand `i` is a scalar constant broadcast to another operand's shape
+  (`jnp.zeros_like(g)` in a derivative rule): a scalar constant, which does not widen."""
+  constant = op.origin(i).constant
+  return constant is not None and np.ndim(constant) == 0 and any(
+      j != i and _is_floating(x) and jnp.shape(x) == jnp.shape(operands[i])
+      and op.origin(j).constant is None for j, x in enumerate(operands))
 
 
 def _keeps_magnitude(value: Any, dtype: np.dtype) -> bool:

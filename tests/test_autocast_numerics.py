@@ -196,14 +196,15 @@ def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
   assert ran["add"] == {F32}
 
 
-def test_a_biased_tanh_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models():
+@pytest.mark.parametrize("activation", [jnp.tanh, jax.nn.relu], ids=["tanh", "relu"])
+def test_a_biased_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models(activation):
   class MLP(linen.Module):
     dtype: object = None
 
     @linen.compact
     def __call__(self, x):
       for width in (512, 512, 512):
-        x = jnp.tanh(linen.Dense(width, dtype=self.dtype)(x))
+        x = activation(linen.Dense(width, dtype=self.dtype)(x))
       return linen.Dense(1, dtype=self.dtype)(x)
 
   x = jax.random.normal(KEYS[0], (1024, 64))
