@@ -1,7 +1,10 @@
 """Helpers shared by the test files."""
 
 import contextlib
+import importlib.util
 import os
+import pathlib
+import sys
 
 import chex
 import jax
@@ -19,6 +22,17 @@ from jax_lossscale import probes as pr
 # leaf, relative to the leaf's largest magnitude: an element of Adam's first moment that
 # nearly cancels (1e-4 among entries of 0.3) carries the rounding of its inputs.
 RTOL = 1e-6
+
+
+BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
+def benchmark_script(name: str):
+  """The module of the script `benchmarks/{name}.py`, imported (its `main` not run)."""
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+  module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 @contextlib.contextmanager
