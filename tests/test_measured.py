@@ -271,10 +271,10 @@ def skipped_on_noisy_gradients(loss_scale, seed):
 
 
 def test_by_default_noisy_gradients_skip_no_more_steps_than_under_the_dynamic_scale():
-  # With margin 0 the scale sat where the next step's maximum beat the last 16 steps' by
-  # more than the rounding to a power of two once every 30 to 40 steps: about 90 of
-  # 3,000 skipped, against 5 for DynamicLossScale (its initial descent, then one every
-  # growth period). Four runs of 3,000 steps, summed (one run's count varies by a few).
+  # With margin 0 the next step's maximum beats the last 16 steps' by more than the
+  # rounding to a power of two once every 30 to 40 steps: about 90 of 3,000 skipped,
+  # against 5 for DynamicLossScale (its initial descent, then one every growth period).
+  # Four runs of 3,000 steps, summed (one run's count varies by a few).
   measured = [skipped_on_noisy_gradients(jls.MeasuredLossScale(), seed) for seed in range(4)]
   dynamic = [skipped_on_noisy_gradients(jls.DynamicLossScale(), seed) for seed in range(4)]
   assert sum(measured) <= sum(dynamic), (measured, dynamic)
