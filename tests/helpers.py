@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _transform
 from jax_lossscale import diagnostics
 from jax_lossscale import probes as pr
@@ -33,6 +34,19 @@ def benchmark_script(name: str):
   module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def dtypes_of(summary, primitive, backward=False):
+  """The dtypes `primitive` ran in, in one pass of a `precision_summary`."""
+  return {d for p, d, f, b in summary.rows if p == primitive and (b if backward else f)}
+
+
+def forward_dtypes(fun, *args):
+  """Primitive -> the dtypes it ran in, in `fun`'s own program (not differentiated)."""
+  found = {}
+  for ran in _jax_internals.operations_ran(jax.make_jaxpr(fun)(*args), ()):
+    found.setdefault(ran.name, set()).add(ran.dtype)
+  return found
 
 
 @contextlib.contextmanager
