@@ -14,7 +14,7 @@ from flax import serialization
 
 import jax_lossscale as jls
 import jax_lossscale.flax  # noqa: F401  (flax serialization of the loss scales)
-from jax_lossscale._transform import StepCounts
+from jax_lossscale import StepCounts
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 4), "b": jnp.zeros(2)}
 
