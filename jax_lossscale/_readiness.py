@@ -161,19 +161,15 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
   measurement = _fp8.Measurement(tuple(_fp8.Float8Recipe.from_name(n) for n in names), record)
   measured = autocast(fun, dtype, fp8=measurement)
-  leaves, rebuild = _trees.copier((args, {}))
-  wrt = [i for i, leaf in enumerate(leaves) if _trees.is_float(leaf) and not isinstance(
-      leaf, float)]
+  wrt, replace = _trees.replaceable(
+      (args, {}), lambda leaf: _trees.is_float(leaf) and not isinstance(leaf, float))
 
   def loss(arrays):
-    filled = list(leaves)
-    for i, array in zip(wrt, arrays, strict=True):
-      filled[i] = array
-    a, k = rebuild(filled)
+    a, k = replace(arrays)
     outs = [out for out in jax.tree.leaves(measured(*a, **k)) if _trees.is_float(out)]
     return sum(jnp.sum(out.astype(jnp.float32)) for out in outs)
 
-  jax.block_until_ready(jax.jit(jax.grad(loss))([leaves[i] for i in wrt]))
+  jax.block_until_ready(jax.jit(jax.grad(loss))(wrt))
   jax.effects_barrier()
   return Fp8Readiness(names, _rows(measurement.matmuls, totals, names, error_limit))
 
