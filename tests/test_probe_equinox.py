@@ -204,7 +204,7 @@ def test_equinox_a_model_partitioned_outside_the_loss_is_given_to_it_when_combin
 
 
 def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
-  # The probed view is tried first: a stack the loss scans itself keeps one row per
+  # The probed copy is tried first: a stack the loss scans itself keeps one row per
   # layer, and a model called under eqx.filter_jit in the loss is still probed (found
   # at call time, neither would be: the jit traces arrays anew, the scan slices them).
   stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
@@ -243,7 +243,7 @@ def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
   loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x[:, :3]))
   with pytest.raises(TypeError, match="dot_general") as raised:
     pr.value_and_grad_with_probes(jax.value_and_grad, pr.equinox_probes(loss))(diff, X)
-  assert "equinox views" in "".join(getattr(raised.value, "__notes__", []))
+  assert "probed copy of an equinox model" in "".join(getattr(raised.value, "__notes__", []))
 
 
 def test_equinox_mlp_on_one_example_is_probed_layer_by_layer():
