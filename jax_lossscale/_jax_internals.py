@@ -333,9 +333,10 @@ _NO_SOURCE_INFO = (
 
 
 def _scopes(eqn: Equation | None = None) -> tuple[str, ...]:
-  """The names of `eqn`'s name scopes (of those being traced in, without `eqn`), outermost
-  first, without the marks of the transformations around them (`jvp(...)`,
-  `transpose(...)`); empty where JAX does not tell."""
+  """The names of `eqn`'s name scopes (without `eqn`, of those being traced in now),
+  outermost first, without the marks of the transformations around them (`jvp(...)`,
+  `transpose(...)`); empty where JAX does not tell. The one reader of name scopes:
+  `Operation.scopes`, `Operation.name_scope` and `Source.scope` are made from it."""
   if _source_info is None:
     degraded("jax._src.source_info_util", _NO_SOURCE_INFO)
     return ()
