@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jax_lossscale as jls
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import overhead  # noqa: E402
 
 CONFIGURATIONS = {  # name: (parameters' dtype, loss_scaling's options)
     "float32": (jnp.float32, {}),
@@ -95,14 +98,7 @@ def measure(n: int, leaves: int, reps: int, learning_rate: float = 3e-4,
                   "xla_argument_bytes": int(memory.argument_size_in_bytes),
                   "xla_output_bytes": int(memory.output_size_in_bytes),
                   "xla_temp_bytes": int(memory.temp_size_in_bytes)}
-  rng = np.random.default_rng(seed)
-  for _ in range(reps):
-    for name in rng.permutation(list(runs)):  # interleaved, in a random order each round
-      r = runs[name]
-      start = time.perf_counter()
-      r["p"], r["s"] = r["compiled"](r["p"], r["s"], r["grads"])
-      jax.block_until_ready(r["p"])
-      r["times"].append(time.perf_counter() - start)
+  overhead.time_runs(runs, reps, seed)
   median = {name: statistics.median(r["times"]) for name, r in runs.items()}
   return {
       name: {

@@ -40,19 +40,17 @@ minutes.
       module (`benchmarks/probes.py`'s `unprobed` and `probed`), 10 rounds; 2
       compilations.
    6. fp8 layer (35 s): one 4096x8192 by 8192x16384 matmul, forward and backward, in
-      float32, bfloat16 and float16 by `jls.autocast`, and, where `jls.autocast` takes
-      `fp8=`, in "tensorwise" and "rowwise" float8, with a check that each compiled fp8
+      float32, bfloat16 and float16 by `jls.autocast`, and in "tensorwise" and "rowwise"
+      float8 (`fp8=`), with a check that each compiled fp8
       program calls cuBLASLt's float8 GEMM (`__cublas$lt$matmul$f8`) for its three
       matmuls; and a 4096x8192 by 8192x8192 one in float32 and float16. 20 rounds.
-   7. fp8 showcase (35 s): where `fp8=` exists, the showcase's step under
+   7. fp8 showcase (35 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone.
-   8. bfloat16 writes (30 s): where `jls.loss_scaling` takes `rounding=`, Adam's
-      `apply_gradients` on 1e8 bfloat16 parameters in 64 leaves with each rounding (and
-      `state_dtype=jnp.bfloat16` where it exists) against plain Adam on float32
-      parameters, 30 rounds.
+   8. bfloat16 writes (30 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
+      leaves with each `rounding=` (and stochastic with `state_dtype=jnp.bfloat16`)
+      against plain Adam on float32 parameters, 30 rounds.
 
-That is 430 s of budgets. Parts 6-8 detect their features when they run: before they
-exist, they print what they are waiting for and take no time.
+That is 430 s of budgets.
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import inspect
 import pathlib
 import re
 import statistics
@@ -430,10 +427,6 @@ def probes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 # --- 6, 7: float8 --------------------------------------------------------------------------------
 
 
-def has_fp8() -> bool:
-  return "fp8" in inspect.signature(jls.autocast).parameters
-
-
 def layer_step(compute_dtype, **options):
   """A jitted matmul's forward and backward `(x, w, cotangent) -> (y, dx, dw)`, its matmuls
   in `compute_dtype` by `jls.autocast` (float32 for None)."""
@@ -481,11 +474,8 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
                   f"{'comp s':>6s}  GEMM")
   variants = {"float32": layer_step(None), "bfloat16, autocast": layer_step(jnp.bfloat16),
               "float16, autocast": layer_step(jnp.float16)}
-  if has_fp8():
-    variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
-                 for recipe in ("tensorwise", "rowwise")}
-  else:
-    table.notes.append("float8: jls.autocast takes no fp8= in this version")
+  variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
+               for recipe in ("tensorwise", "rowwise")}
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   layer_rows(table, sizes.square_layer, {name: variants[name] for name in (
       "float32", "float16, autocast")}, sizes.layer_reps, budget)
@@ -494,9 +484,6 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 
 
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  if not has_fp8():
-    table.notes.append("not run: jls.autocast takes no fp8= in this version")
-    return
   config = sizes.showcase
   table.title += showcase_title(config)
   data, tokens = showcase_batches(config)
@@ -531,16 +518,11 @@ def autocast_step(graphdef, options: dict):
 
 
 def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  keywords = inspect.signature(jls.loss_scaling).parameters
-  if "rounding" not in keywords:
-    table.notes.append("not run: jls.loss_scaling takes no rounding= in this version")
-    return
   n, leaves, adam = int(sizes.writes_params), sizes.writes_leaves, optax.adam(1e-3)
   configurations = {f"bfloat16, {r}": {"rounding": r}
                     for r in ("nearest", "stochastic", "compensated")}
-  if "state_dtype" in keywords:
-    configurations["bfloat16, stochastic, bfloat16 state"] = {
-        "rounding": "stochastic", "state_dtype": jnp.bfloat16}
+  configurations["bfloat16, stochastic, bfloat16 state"] = {
+      "rounding": "stochastic", "state_dtype": jnp.bfloat16}
   steps = {}
   for name, options in configurations.items():
     tx = jls.loss_scaling(adam, jls.NoOpLossScale(), **options)

@@ -115,7 +115,7 @@ class _Sizes:
   returned: dict = dataclasses.field(default_factory=dict)
   skipped: set = dataclasses.field(default_factory=set)  # names of tensors probed already
   rows: bool = True  # stacked modules get their row index, as in a measuring session
-  views: bool = True  # an equinox model is viewed, as in a measuring session
+  probed_copy: bool = True  # an equinox model is a probed copy, as in a measuring session
 
   def probe(self, x, name, index, length):
     del index

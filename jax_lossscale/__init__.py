@@ -29,6 +29,7 @@ from jax_lossscale._policy import Policy
 from jax_lossscale._policy import get_policy
 from jax_lossscale._transform import LossScalingState
 from jax_lossscale._transform import LossScalingTransformation
+from jax_lossscale._transform import StepCounts
 from jax_lossscale._transform import loss_scaling
 from jax_lossscale._trees import select_tree
 from jax_lossscale._value_and_grad import scaled_value_and_grad
@@ -48,6 +49,7 @@ __all__ = (
     "NoOpLossScale",
     "Policy",
     "PrecisionSummary",
+    "StepCounts",
     "all_finite",
     "autocast",
     "diagnostics",

@@ -169,12 +169,10 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    leaves, rebuild = _trees.copier((args, kwargs))
-    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+    arrays, replace = _trees.replaceable((args, kwargs), _trees.is_array)
 
     def traced(*new_arrays):
-      refill = iter(new_arrays)
-      copy = rebuild([next(refill) if _is_array(leaf) else leaf for leaf in leaves])
+      copy = replace(new_arrays)
       return fun(*copy[0], **copy[1]), _nnx_state(copy)
 
     # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
@@ -217,10 +215,6 @@ def _nnx_state(tree: Any) -> list:
   """The state of each flax NNX module in `tree`: what `fun` changed in them returns
   as outputs (the modules `fun` sees are copies holding the traced arrays)."""
   return [_trees.nnx().state(module) for module in _trees.nnx_objects(tree)]
-
-
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -545,32 +539,29 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
       its floating arguments): the summary then has no backward pass. Any other error
       while tracing `fun` or its derivative is raised.
   """
-  leaves, rebuild = _trees.copier((args, kwargs))
-  wrt = [i for i, leaf in enumerate(leaves) if _is_array(leaf) and _is_floating(leaf)]
+  wrt, replace = _trees.replaceable(
+      (args, kwargs), lambda leaf: _trees.is_array(leaf) and _is_floating(leaf))
 
   def forward(arrays):
-    filled = list(leaves)
-    for i, array in zip(wrt, arrays, strict=True):
-      filled[i] = array
-    a, k = rebuild(filled)
+    a, k = replace(arrays)
     return [out for out in jax.tree.leaves(fun(*a, **k)) if _is_floating(out)]
 
-  named = internals.Named("precision_summary", fun, args, kwargs, tuple(leaves[i] for i in wrt))
-  shapes = jax.eval_shape(internals.with_names(forward, named), [leaves[i] for i in wrt])
+  named = internals.Named("precision_summary", fun, args, kwargs, tuple(wrt))
+  shapes = jax.eval_shape(internals.with_names(forward, named), wrt)
 
   def forward_and_backward(arrays, cotangents):
     outs, pullback = jax.vjp(forward, arrays)
     return outs, pullback(cotangents)
 
   try:
-    program, _ = internals.trace(forward_and_backward, [[leaves[i] for i in wrt], shapes])
+    program, _ = internals.trace(forward_and_backward, [wrt, shapes])
     cotangents = range(len(wrt), len(wrt) + len(shapes))
   except (ValueError, NotImplementedError) as error:
     if not internals.not_reverse_differentiable(error):
       raise
     warnings.warn(f"precision_summary: `fun` cannot be differentiated in reverse mode "
                   f"({error}); the summary has no backward pass.", stacklevel=2)
-    program, _ = internals.trace(forward, [[leaves[i] for i in wrt]])
+    program, _ = internals.trace(forward, [wrt])
     cotangents = range(0)
   ran = internals.operations_ran(program, cotangents, forward_outputs=len(shapes))
   counts = collections.Counter((r.name, r.dtype.name, r.backward) for r in ran)

@@ -33,9 +33,11 @@ What is read, and why:
   private), for `autocast` and its precision summary (a jitted function or checkpoint
   traced again for other operand dtypes: `Operation.retypable`); `trace` names the user's function
   and arguments in JAX's errors (`with_names`: `jax.api_util.debug_info`, read by JAX's
-  tracing through the function's `__fun_debug_info__`, private).
-- `Source`, `Operation.source`: where an operation was written, its name scope and the
-  user's line, from the equation's `source_info` (`source_info_util`'s frames, private).
+  tracing through the function's `__fun_debug_info__`, which only the private
+  `save_wrapped_fun_debug_info` sets).
+- `Source`, `Operation.source`, `Operation.scopes`, `Operation.name_scope`: where an
+  operation was written: its name scopes (`source_info_util`'s name stack, private, read
+  in one place, `_scopes`) and the user's line (`source_info_util`'s frames).
 - `not_reverse_differentiable`: whether an error means that a program cannot be
   differentiated in reverse mode (a `while_loop`; JAX raises a plain `ValueError` or
   `NotImplementedError`, told apart by its message).
@@ -43,9 +45,8 @@ What is read, and why:
   a class defined again under the same name (a notebook cell run twice) replaces the
   earlier class; `jax.export` refuses a second registration of a name, and its
   registries are only private.
-- `Origin`, `Operation.origin`, `Operation.scopes`: where each operand comes from
-  (the operation that computed it, or the constant it is), and the name scopes an
-  operation was traced in (from `source_info_util`'s name stack).
+- `Origin`, `Operation.origin`: where each operand comes from (the operation that
+  computed it, or the constant it is).
 """
 
 from __future__ import annotations
@@ -325,6 +326,24 @@ try:  # An operation's name scope and traceback, for the programs it is bound in
 except ImportError:  # pragma: no cover (a JAX that moved it: operations lose their scopes)
   _source_info = None
 
+_NO_SOURCE_INFO = (
+    "operations lose their name scopes (jax.named_scope, flax's module paths) and lines: "
+    "those autocast binds again in profiles and compiled programs, in precision summaries, "
+    "for autocast's float32 scopes and for the float8 recipe's filter_fn")
+
+
+def _scopes(eqn: Equation | None = None) -> tuple[str, ...]:
+  """The names of `eqn`'s name scopes (without `eqn`, of those being traced in now),
+  outermost first, without the marks of the transformations around them (`jvp(...)`,
+  `transpose(...)`); empty where JAX does not tell. The one reader of name scopes:
+  `Operation.scopes`, `Operation.name_scope` and `Source.scope` are made from it."""
+  if _source_info is None:
+    degraded("jax._src.source_info_util", _NO_SOURCE_INFO)
+    return ()
+  stack = _source_info.current_name_stack() if eqn is None else eqn.source_info.name_stack
+  return tuple(part.name for part in getattr(stack, "stack", ())
+               if isinstance(part, _source_info.Scope))
+
 
 def _source_of(eqn: Equation) -> Any:
   """Binds in `eqn`'s name scope (`jax.named_scope`, flax's module paths: profiles and
@@ -332,9 +351,7 @@ def _source_of(eqn: Equation) -> Any:
   located at the user's line, the casts in front of it too) and its context (a mesh,
   metadata)."""
   if _source_info is None:
-    degraded("jax._src.source_info_util",
-             "operations autocast binds again lose their name scopes (jax.named_scope, "
-             "flax's module paths) in profiles and compiled programs")
+    degraded("jax._src.source_info_util", _NO_SOURCE_INFO)
     return eqn.ctx.manager
   scope = _source_info.current_name_stack() + eqn.source_info.name_stack
   stack = contextlib.ExitStack()
@@ -389,20 +406,13 @@ def _source(eqn: Equation, outer: Source = Source()) -> Source:
   function's or a loop body's equations are scoped relative to the operation that holds
   them, and located at its line where JAX recorded none of the user's, as in a jitted
   `jnp` function)."""
-  if _source_info is None:  # pragma: no cover
-    return outer
   scope = "/".join(filter(None, (outer.scope, *_scopes(eqn))))
-  frames = list(_source_info.user_frames(eqn.source_info.traceback))
+  frames = ([] if _source_info is None
+            else list(_source_info.user_frames(eqn.source_info.traceback)))
   frame = next((f for f in frames if not _installed(f.file_name)), frames[0] if frames else None)
   if frame is None:
     return dataclasses.replace(outer, scope=scope)
   return Source(scope, frame.file_name, frame.start_line, frame.function_name)
-
-
-def _scopes(eqn: Equation) -> tuple[str, ...]:
-  """The names of `eqn`'s name scopes, outermost first, without transformations'."""
-  return tuple(part.name for part in eqn.source_info.name_stack.stack
-               if isinstance(part, _source_info.Scope))
 
 
 @functools.cache
@@ -466,11 +476,23 @@ def trace(fun: Callable[..., Any], args: list, named: Named | None = None
   return program, jax.tree.structure(shapes)
 
 
+try:  # Sets the debug information JAX's tracing reads from a function: only private.
+  from jax._src.api_util import save_wrapped_fun_debug_info as _save_debug_info
+except ImportError:  # pragma: no cover (a JAX that moved it: errors name the library's wrapper)
+  _save_debug_info = None
+
+
 def with_names(fun: Callable[..., Any], named: Named) -> Callable[..., Any]:
   """`fun`, which JAX's tracing (`jax.make_jaxpr`, `jax.eval_shape`) names as `named`
   says in its errors: it reads a function's debug information from `__fun_debug_info__`
   (private, both JAX versions). Each traced leaf is named by its path in the user's
-  arguments (`params['w']`); none is named where one is not a leaf of them."""
+  arguments (`params['w']`); none is named where one is not a leaf of them. `fun` itself
+  where JAX no longer tells how."""
+  if _save_debug_info is None:
+    degraded("jax._src.api_util.save_wrapped_fun_debug_info",
+             "autocast's tracing errors name its own function and argument positions "
+             "instead of the user's function and arguments (params['w'])")
+    return fun
   info = _api_util.debug_info(named.traced_for, named.fun, named.args, named.kwargs)
   flat = jax.tree.leaves((named.args, named.kwargs))
   position = {}
@@ -486,7 +508,7 @@ def with_names(fun: Callable[..., Any], named: Named) -> Callable[..., Any]:
   def named_fun(*args):
     return fun(*args)
 
-  named_fun.__fun_debug_info__ = info._replace(arg_names=names)
+  _save_debug_info(named_fun, info._replace(arg_names=names))
   return named_fun
 
 
@@ -574,10 +596,7 @@ class Operation:
     """The names of the `jax.named_scope`s it was traced in, outermost first (those around
     a jitted function's call are not among its operations'); transformations (`jvp`,
     `transpose`) keep their operations' scopes."""
-    if _source_info is None:  # pragma: no cover
-      return ()
-    stack = getattr(self.eqn.source_info.name_stack, "stack", ())
-    return tuple(item.name for item in stack if isinstance(item, _source_info.Scope))
+    return _scopes(self.eqn)
 
   @property
   def holds_programs(self) -> bool:
@@ -598,11 +617,7 @@ class Operation:
   def name_scope(self) -> str:
     """Its name scope (`jax.named_scope`s, flax's module paths) without the marks of the
     transformations around it (`jvp(...)`, `transpose(...)`), "" if none."""
-    if _source_info is None:  # pragma: no cover
-      return ""
-    stack = _source_info.current_name_stack()  # `evaluate` runs it in its scope
-    return "/".join(scope.name for scope in getattr(stack, "stack", ())
-                    if isinstance(scope, _source_info.Scope))
+    return "/".join(_scopes())  # `evaluate` runs it in its scope
 
   def in_scope(self) -> contextlib.AbstractContextManager:
     """A context in which what is traced takes its name scope and source, as `bind`'s:

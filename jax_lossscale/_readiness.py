@@ -22,6 +22,7 @@ import numpy as np
 from jax_lossscale import _fp8
 from jax_lossscale import _policy
 from jax_lossscale import _trees
+from jax_lossscale import _validation
 from jax_lossscale._autocast import autocast
 
 TENSORS = ("lhs", "rhs", "gradient for lhs", "gradient for rhs")
@@ -137,9 +138,16 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
   Returns:
     An `Fp8Readiness`.
+
+  Raises:
+    ValueError: for `recipes` that are not a non-empty list or tuple of recipe names, or
+      an `error_limit` that is not a finite number at least 0.
   """
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
-  names = tuple(recipes)
+  names = _recipe_names(recipes)
+  error_limit = _validation.real("error_limit", error_limit)
+  if error_limit < 0:
+    raise ValueError(f"`error_limit` must be at least 0, got {error_limit!r}.")
   totals: dict = {}
 
   def record(index: int, kind: str, stats: dict) -> None:
@@ -153,21 +161,25 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
   measurement = _fp8.Measurement(tuple(_fp8.Float8Recipe.from_name(n) for n in names), record)
   measured = autocast(fun, dtype, fp8=measurement)
-  leaves, rebuild = _trees.copier((args, {}))
-  wrt = [i for i, leaf in enumerate(leaves) if _trees.is_float(leaf) and not isinstance(
-      leaf, float)]
+  wrt, replace = _trees.replaceable(
+      (args, {}), lambda leaf: _trees.is_float(leaf) and not isinstance(leaf, float))
 
   def loss(arrays):
-    filled = list(leaves)
-    for i, array in zip(wrt, arrays, strict=True):
-      filled[i] = array
-    a, k = rebuild(filled)
+    a, k = replace(arrays)
     outs = [out for out in jax.tree.leaves(measured(*a, **k)) if _trees.is_float(out)]
     return sum(jnp.sum(out.astype(jnp.float32)) for out in outs)
 
-  jax.block_until_ready(jax.jit(jax.grad(loss))([leaves[i] for i in wrt]))
+  jax.block_until_ready(jax.jit(jax.grad(loss))(wrt))
   jax.effects_barrier()
   return Fp8Readiness(names, _rows(measurement.matmuls, totals, names, error_limit))
+
+
+def _recipe_names(recipes: Any) -> tuple[str, ...]:
+  names = tuple(recipes) if isinstance(recipes, (list, tuple)) else ()
+  if not names or any(not isinstance(name, str) or name not in _fp8.RECIPES for name in names):
+    raise ValueError(f"`recipes` must be a non-empty list or tuple of names from "
+                     f"{tuple(_fp8.RECIPES)}, got {recipes!r}.")
+  return names
 
 
 def _rows(matmuls: list, totals: dict, names: tuple, error_limit: float) -> tuple:

@@ -606,9 +606,9 @@ def loss_scaling(
   Args:
     inner: the optimizer to wrap: an optax transformation such as `optax.adam(1e-3)`,
       an `optax.chain` or `optax.MultiSteps`.
-    loss_scale: a `LossScale`, or what `jax_lossscale.get` accepts: a number >= 1 for a
-      `FixedLossScale`, `"dynamic"` (the default: `DynamicLossScale()`), a dict from
-      `serialize`, a precision `Policy` (ours or jmp's: the loss scale its compute dtype
+    loss_scale: a `LossScale`, or what `jax_lossscale.tensorflow.get` accepts: a number
+      >= 1 for a `FixedLossScale`, `"dynamic"` (the default: `DynamicLossScale()`), a dict
+      from `serialize`, a precision `Policy` (ours or jmp's: the loss scale its compute dtype
       calls for) or one of jmp's loss scales.
     axis_name: for `shard_map`/`pmap` steps: the mapped axis name (or names) over which
       every decision is agreed. By default every `shard_map` and `pmap` axis in scope

@@ -117,6 +117,22 @@ def copier(tree: Any) -> tuple[list, Callable[[list], Any]]:
   return leaves, lambda new: jax.tree.unflatten(treedef, new)
 
 
+def replaceable(tree: Any, selected: Callable[[Any], bool]) -> tuple[list, Callable[[list], Any]]:
+  """`(chosen, replace)`: the leaves of `tree` for which `selected(leaf)`, in order, and
+  `replace(new)`, a copy of `tree` (as `copier` makes it) holding `new` in their places:
+  a function's arguments as a function of some of their leaves."""
+  leaves, rebuild = copier(tree)
+  positions = [i for i, leaf in enumerate(leaves) if selected(leaf)]
+
+  def replace(new: list) -> Any:
+    filled = list(leaves)
+    for i, value in zip(positions, new, strict=True):
+      filled[i] = value
+    return rebuild(filled)
+
+  return [leaves[i] for i in positions], replace
+
+
 def updates_like(grads: Any, params: Any) -> Any:
   """The tree the inner optimizer's updates are shaped like: the gradients, or, for
   `optax.lookahead` (whose gradients are those of `params.fast`), the params."""

@@ -1,7 +1,10 @@
 """Helpers shared by the test files."""
 
 import contextlib
+import importlib.util
 import os
+import pathlib
+import sys
 
 import chex
 import jax
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 
 from jax_lossscale import _finite
+from jax_lossscale import _jax_internals
 from jax_lossscale import _transform
 from jax_lossscale import diagnostics
 from jax_lossscale import probes as pr
@@ -19,6 +23,30 @@ from jax_lossscale import probes as pr
 # leaf, relative to the leaf's largest magnitude: an element of Adam's first moment that
 # nearly cancels (1e-4 among entries of 0.3) carries the rounding of its inputs.
 RTOL = 1e-6
+
+
+BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
+def benchmark_script(name: str):
+  """The module of the script `benchmarks/{name}.py`, imported (its `main` not run)."""
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+  module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def dtypes_of(summary, primitive, backward=False):
+  """The dtypes `primitive` ran in, in one pass of a `precision_summary`."""
+  return {d for p, d, f, b in summary.rows if p == primitive and (b if backward else f)}
+
+
+def forward_dtypes(fun, *args):
+  """Primitive -> the dtypes it ran in, in `fun`'s own program (not differentiated)."""
+  found = {}
+  for ran in _jax_internals.operations_ran(jax.make_jaxpr(fun)(*args), ()):
+    found.setdefault(ran.name, set()).add(ran.dtype)
+  return found
 
 
 @contextlib.contextmanager

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import linen
 from flax import nnx
+from helpers import dtypes_of
+from helpers import forward_dtypes
 from jax import lax
 
 import jax_lossscale as jls
-from jax_lossscale import _jax_internals as internals
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 KEYS = jax.random.split(jax.random.key(0), 3)
@@ -23,19 +24,6 @@ X = jax.random.normal(KEYS[0], (64, 32))
 W = jax.random.normal(KEYS[1], (32, 16)) / 4
 SCALE = jnp.float32(1e5)  # closed over by the functions below
 TINY = np.float32(1e-7)
-
-
-def dtypes_of(summary, primitive, backward=False):
-  """The dtypes `primitive` ran in, in one pass."""
-  return {d for p, d, f, b in summary.rows if p == primitive and (b if backward else f)}
-
-
-def forward_dtypes(fun, *args):
-  """Primitive -> the dtypes it ran in, in `fun`'s own program (not differentiated)."""
-  found = {}
-  for ran in internals.operations_ran(jax.make_jaxpr(fun)(*args), ()):
-    found.setdefault(ran.name, set()).add(ran.dtype)
-  return found
 
 
 # --- constants outside the compute dtype's range ------------------------------------

@@ -1,23 +1,11 @@
 """The benchmark scripts run (at toy sizes: their figures are in benchmarks/RESULTS.md)."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 from flax import nnx
+from helpers import benchmark_script
 
 from jax_lossscale.demo import transformer
 from jax_lossscale.demo.text import Text
-
-BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
-
-
-def script(name: str):
-  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-  module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.mark.parametrize("name, argv, printed", [
@@ -34,12 +22,12 @@ def script(name: str):
     ("fp8", ["--matmul", "32", "64", "32", "--batch", "2", "--width", "32", "--reps", "1",
              "--layer", "32", "64", "32"], "cuBLASLt fp8 GEMM")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
-  script(name).main(argv)
+  benchmark_script(name).main(argv)
   assert printed in capsys.readouterr().out
 
 
 def test_the_probes_benchmark_counts_what_its_probes_read_and_checks_the_plain_program():
-  probes = script("probes")
+  probes = benchmark_script("probes")
   data, config = Text.load(), transformer.Config(batch=4, context=8, layers=2)
   model = transformer.TransformerLM(config, data.vocab, transformer.FLOAT16, nnx.Rngs(0))
   tokens = transformer.held_out(data, config, seed=0)
@@ -49,7 +37,7 @@ def test_the_probes_benchmark_counts_what_its_probes_read_and_checks_the_plain_p
 
 
 def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_path, capsys):
-  suite = script("gpu_suite")
+  suite = benchmark_script("gpu_suite")
   results = tmp_path / "RESULTS.md"
   # Budgets far above the toy sizes' needs: no part stops early on a loaded machine.
   suite.main(["--smoke", "--results", str(results), "--scale", "100"])
@@ -64,7 +52,7 @@ def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_p
 
 def test_a_gpu_suite_part_that_overruns_its_budget_keeps_its_rows_and_the_next_part_runs(
     monkeypatch, capsys):
-  suite = script("gpu_suite")
+  suite = benchmark_script("gpu_suite")
 
   def overrunning(sizes, budget, table):
     table.rows.append("measured before the deadline")
@@ -82,7 +70,7 @@ def test_a_gpu_suite_part_that_overruns_its_budget_keeps_its_rows_and_the_next_p
 
 
 def test_a_gpu_suite_part_that_fails_is_recorded_and_fails_the_run(monkeypatch, tmp_path):
-  suite = script("gpu_suite")
+  suite = benchmark_script("gpu_suite")
 
   def failing(sizes, budget, table):
     raise RuntimeError("no such kernel")

@@ -14,7 +14,7 @@ from flax import serialization
 
 import jax_lossscale as jls
 import jax_lossscale.flax  # noqa: F401  (flax serialization of the loss scales)
-from jax_lossscale._transform import StepCounts
+from jax_lossscale import StepCounts
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 4), "b": jnp.zeros(2)}
 
@@ -106,12 +106,12 @@ def test_grad_norm_missing_from_the_checkpoint_starts_as_init_makes_it():
 def test_a_checkpoint_without_a_leaf_of_like_is_refused_naming_the_path():
   saved = serialization.to_state_dict(packed(trained_state(jls.loss_scaling(optax.adam(1e-3)))))
   del saved["inner_state"]["0"]["nu"]
-  with pytest.raises(ValueError, match=r"no value at `\.inner_state\[0\]\.nu\['b'\]`"):
+  with pytest.raises(ValueError, match=r"`\.inner_state\[0\]\.nu\['b'\]`"):
     jls.restore_state(saved, like=jls.loss_scaling(optax.adam(1e-3)).init(PARAMS))
 
 
 def test_a_leaf_of_another_shape_is_refused_naming_the_path():
   state = trained_state(jls.loss_scaling(optax.adam(1e-3)))
   like = jls.loss_scaling(optax.adam(1e-3)).init({"w": jnp.zeros(5), "b": jnp.zeros(2)})
-  with pytest.raises(ValueError, match=r"`\.inner_state\[0\]\.mu\['w'\]` has shape \(4,\)"):
+  with pytest.raises(ValueError, match=r"`\.inner_state\[0\]\.mu\['w'\]`.*\(4,\).*\(5,\)"):
     jls.restore_state(state, like=like)

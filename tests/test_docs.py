@@ -97,6 +97,14 @@ def test_readmes_relative_links_point_at_files_of_the_repository():
     assert (ROOT / target).exists(), target
 
 
+def test_readmes_table_of_contents_links_every_page_of_the_guide():
+  readme = (ROOT / "README.md").read_text()
+  table = readme[readme.index("## What is inside"):].split("\n\n")[1]
+  linked = set(re.findall(r"\]\(docs/([^)#\s]+\.md)", table))
+  pages = {page.name for page in (ROOT / "docs").glob("*.md")}
+  assert pages - linked == {"index.md", "demos.md"}  # the demos': from README's demo section
+
+
 def test_readmes_first_training_step_is_the_fused_one():
   first = blocks(ROOT / "README.md")[0][1]
   methods = {node.func.attr for node in ast.walk(ast.parse(first))

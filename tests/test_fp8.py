@@ -394,3 +394,19 @@ def test_the_named_recipes_are_torchaos():
               "tensor", E4M3, E4M3, E5M2, False)
   assert (rowwise.granularity, rowwise.lhs_format, rowwise.rhs_format, rowwise.grad_format,
           rowwise.power_of_two_scales) == ("row", E4M3, E4M3, E4M3, True)
+
+
+def test_filter_fn_sees_flax_linen_module_paths():
+  class Model(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return linen.Dense(48, name="head")(linen.relu(linen.Dense(64, name="body")(x)))
+
+  seen = []
+  recipe = jls.Float8Recipe.from_name(
+      "tensorwise", filter_fn=lambda matmul: seen.append(matmul.name_scope) or True)
+  model = Model()
+  params = model.init(KEYS[3], X)
+  jax.grad(jls.autocast(lambda p, x: jnp.sum(model.apply(p, x)), jnp.bfloat16, fp8=recipe))(
+      params, X)
+  assert seen == ["Model/body", "Model/head"]

@@ -419,6 +419,10 @@ def _box_class():
   return cls
 
 
+def _an_equation():
+  return internals.equations(jax.make_jaxpr(jnp.sin)(1.0))[0]
+
+
 def _register_a_box_twice():
   for _ in range(2):
     internals.register_export_serialization(
@@ -432,9 +436,17 @@ def _register_a_box_twice():
     ("_current_trace",
      lambda: jax.make_jaxpr(lambda x: internals.reverse_differentiable_here(x) and x)(1.0),
      ["unsafe_get_trace_stack", "custom_vjp"]),
-    ("_source_info",
-     lambda: internals._source_of(internals.equations(jax.make_jaxpr(jnp.sin)(1.0))[0]),
+    ("_source_info", lambda: internals._source_of(_an_equation()),
      ["source_info_util", "name scopes"]),
+    pytest.param("_source_info", lambda: internals._source(_an_equation()),
+                 ["source_info_util", "precision summaries"], id="_source_info-source"),
+    pytest.param("_source_info", lambda: internals.Operation(_an_equation()).scopes,
+                 ["source_info_util", "float32 scopes"], id="_source_info-scopes"),
+    pytest.param("_source_info", lambda: internals.Operation(_an_equation()).name_scope,
+                 ["source_info_util", "filter_fn"], id="_source_info-name_scope"),
+    ("_save_debug_info",
+     lambda: internals.trace(jnp.sin, [1.0], internals.Named("autocast", jnp.sin, (1.0,), {}, ())),
+     ["save_wrapped_fun_debug_info", "params['w']"]),
     ("_partial_eval",
      lambda: internals._retrace(jax.make_jaxpr(jnp.sin)(1.0), lambda program, args: args),
      ["trace_to_jaxpr_dynamic", "inside loops"]),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import benchmark_script
 
 import jax_lossscale as jls
 from jax_lossscale import tensorflow as jls_tf
@@ -261,28 +262,19 @@ def test_with_a_margin_the_skipped_steps_grow_with_the_log_of_the_run():
       0, 1, 2, 19, 36, 69, 134, 263, 520, 1033, 2058]
 
 
-def skipped_on_noisy_gradients(loss_scale, seed, steps=3000, sigma=1.0):
-  """The steps `loss_scaling` skips where each step's largest unscaled gradient is
-  log-normal, e**(sigma * z) with z standard normal (median 1), and the backward pass
-  gives it times the scale in float16 (inf past 65504): the noise of real gradient maxima,
-  which no history of maxima foresees."""
-  tx = jls.loss_scaling(optax.sgd(0.0), loss_scale)
-  params = jnp.zeros([], jnp.float32)
-  maxima = jnp.exp(sigma * jax.random.normal(jax.random.key(seed), (steps,)))
-
-  def step(state, maximum):
-    _, state = tx.update((maximum * state.loss_scale()).astype(jnp.float16), state, params)
-    return state, None
-
-  state, _ = jax.jit(lambda state: jax.lax.scan(step, state, maxima))(tx.init(params))
-  return int(state.skipped_steps)
+def skipped_on_noisy_gradients(loss_scale, seed):
+  """The steps `loss_scaling` skips in 3,000 steps of `benchmarks/margins.py`'s noisy
+  gradients (log-normal maxima, sigma 1): the noise of real gradient maxima, which no
+  history of maxima foresees."""
+  skipped, _ = benchmark_script("margins").noisy_gradients(loss_scale, seed, 3000, 1.0)
+  return skipped
 
 
 def test_by_default_noisy_gradients_skip_no_more_steps_than_under_the_dynamic_scale():
-  # With margin 0 the scale sat where the next step's maximum beat the last 16 steps' by
-  # more than the rounding to a power of two once every 30 to 40 steps: about 90 of
-  # 3,000 skipped, against 5 for DynamicLossScale (its initial descent, then one every
-  # growth period). Four runs of 3,000 steps, summed (one run's count varies by a few).
+  # With margin 0 the next step's maximum beats the last 16 steps' by more than the
+  # rounding to a power of two once every 30 to 40 steps: about 90 of 3,000 skipped,
+  # against 5 for DynamicLossScale (its initial descent, then one every growth period).
+  # Four runs of 3,000 steps, summed (one run's count varies by a few).
   measured = [skipped_on_noisy_gradients(jls.MeasuredLossScale(), seed) for seed in range(4)]
   dynamic = [skipped_on_noisy_gradients(jls.DynamicLossScale(), seed) for seed in range(4)]
   assert sum(measured) <= sum(dynamic), (measured, dynamic)

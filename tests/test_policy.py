@@ -245,9 +245,9 @@ def autocast_step(loss_scale, compute_dtype, wrap=lambda f: f, calls=2):
                          ids=["autocast", "jit", "partial"])
 def test_float16_autocast_under_a_float32_policys_scale_warns_once_naming_the_one_to_use(wrap):
   # A levanter-style policy switched to float32 so that autocast does the casting calls
-  # for NoOpLossScale: float16 then trained unscaled, with no word.
+  # for NoOpLossScale, under which float16 would train unscaled.
   policy = jmp.get_policy("p=f32,c=f32,o=f32")
-  messages = autocast_step(jls.get(policy), jnp.float16, wrap)
+  messages = autocast_step(jls_tf.get(policy), jnp.float16, wrap)
   assert len(messages) == 1
   assert re.search(r"autocast.*float16.*NoOpLossScale.*loss_scaling\(.*'dynamic'\)",
                    messages[0], re.DOTALL)

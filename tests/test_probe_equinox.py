@@ -204,7 +204,7 @@ def test_equinox_a_model_partitioned_outside_the_loss_is_given_to_it_when_combin
 
 
 def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
-  # The probed view is tried first: a stack the loss scans itself keeps one row per
+  # The probed copy is tried first: a stack the loss scans itself keeps one row per
   # layer, and a model called under eqx.filter_jit in the loss is still probed (found
   # at call time, neither would be: the jit traces arrays anew, the scan slices them).
   stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
@@ -222,8 +222,7 @@ def test_equinox_a_jit_or_a_scan_in_the_loss_keeps_the_view_rows_and_all():
 def test_equinox_another_model_of_the_same_class_in_the_loss_is_not_probed():
   # The loss combines a stack partitioned outside it (so it gets the model itself) and
   # also runs a teacher block of the same class and shapes as one layer: neither is the
-  # probed copy, and nothing is probed (the teacher was once counted as the stack's
-  # layers, 4 hits for 3).
+  # probed copy, and nothing is probed (not the teacher as one of the stack's layers).
   stack = eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3))
   teacher = EqxBlock(jax.random.key(1))
   diff, static = eqx.partition(stack, eqx.is_array)
@@ -244,7 +243,7 @@ def test_a_loss_that_fails_with_every_placement_raises_its_own_error():
   loss = lambda diff, x: jnp.sum(jax.vmap(eqx.combine(diff, static))(x[:, :3]))
   with pytest.raises(TypeError, match="dot_general") as raised:
     pr.value_and_grad_with_probes(jax.value_and_grad, pr.equinox_probes(loss))(diff, X)
-  assert "equinox views" in "".join(getattr(raised.value, "__notes__", []))
+  assert "probed copy of an equinox model" in "".join(getattr(raised.value, "__notes__", []))
 
 
 def test_equinox_mlp_on_one_example_is_probed_layer_by_layer():
@@ -289,8 +288,8 @@ def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_chan
 
 
 def test_equinox_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_class_changes():
-  # A probed layer was a view answering `__class__` for the layer's class, and the
-  # classes' `__call__` was replaced for the whole process while the loss was traced.
+  # The probed copy's modules are subclasses of the layers' classes, and no class's
+  # `__call__` is replaced, in the loss's thread or in another.
   model = EqxModel(jax.random.key(0))
   calls = {cls: vars(cls)["__call__"] for cls in (eqx.nn.Linear, EqxBlock, EqxModel)}
   seen = []
@@ -317,7 +316,7 @@ def test_equinox_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_c
 
 
 def test_equinox_an_error_of_the_loss_in_the_first_pass_is_raised_at_once():
-  # It was traced again, without the probed copy, before the error was raised.
+  # Not traced again without the probed copy: the error is the loss's, not the copy's.
   traces = []
 
   def loss(model, x, y):

@@ -364,9 +364,9 @@ def test_nnx_a_module_held_under_two_names_is_one_row_hit_at_each_call():
   assert hits == [("a", 2), ("b", 1)]
 
 
-
 def test_nnx_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_class_changes():
-  # The classes' `__call__` was replaced for the whole process while the loss was traced.
+  # The probed copy's modules are subclasses of the layers' classes, and no class's
+  # `__call__` is replaced, in the loss's thread or in another.
   model = NnxModel(nnx.Rngs(0))
   classes = {path: type(m) for path, m in nnx.iter_modules(model)}
   calls = {cls: vars(cls)["__call__"] for cls in (nnx.Linear, NnxBlock, NnxModel)}
@@ -393,7 +393,7 @@ def test_nnx_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_class
 
 
 def test_nnx_an_error_of_the_loss_in_the_first_pass_is_raised_at_once():
-  # It was traced again, without the stacked blocks' row index, before it was raised.
+  # Not traced again without the stacked blocks' row index: the error is the loss's.
   traces = []
 
   def loss(model, x, y):

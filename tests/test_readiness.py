@@ -114,3 +114,15 @@ def test_the_report_prints_one_line_per_tensor(report):
   assert len(lines) == 1 + 4
   assert "gradient for rhs" in lines[-1]
   assert lines[-1].endswith("tensorwise") or lines[-1].endswith("rowwise")
+
+
+@pytest.mark.parametrize("kwargs, shown", [
+    ({"recipes": ()}, r"`recipes`.*\(\)"),
+    ({"recipes": "rowwise"}, "`recipes`.*'rowwise'"),
+    ({"recipes": ("tensorwise", "columnwise")}, "`recipes`.*'columnwise'"),
+    ({"error_limit": -0.1}, r"`error_limit`.*-0\.1"),
+    ({"error_limit": float("nan")}, "`error_limit`.*nan"),
+])
+def test_a_bad_argument_is_refused_naming_it(kwargs, shown):
+  with pytest.raises(ValueError, match=shown):
+    jls.diagnostics.fp8_readiness(loss, X, W, **kwargs)

@@ -95,8 +95,8 @@ def test_a_floating_gradient_of_an_integer_parameter_is_refused_naming_it_not_tr
   params = {"w": jnp.ones(2), "layer": {"n": jnp.array([1, 5], jnp.int32)}}
   grads = {"w": jnp.ones(2), "layer": {"n": grad}}
   for step in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=rf"`grads\['layer'\]\['n'\]` is {grad.dtype}, but "
-                                        r"`params\['layer'\]\['n'\]` is int32"):
+    with pytest.raises(TypeError, match=rf"`grads\['layer'\]\['n'\]`.*{grad.dtype}.*"
+                                        r"`params\['layer'\]\['n'\]`.*int32"):
       maybe_jit(step)(grads, tx.init(params), params)
 
 

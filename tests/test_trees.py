@@ -38,6 +38,17 @@ def test_partition_and_combine_are_inverse_and_keep_static_leaves_out_of_arrays(
   chex.assert_trees_all_equal(out["w"], tree["w"])
 
 
+def test_replaceable_gives_the_chosen_leaves_and_copies_holding_others_in_their_place():
+  w, b = jnp.ones(2), jnp.zeros(2, jnp.int32)
+  tree = ({"w": w, "b": b, "name": "layer"}, 0.5)
+  chosen, replace = _trees.replaceable(tree, lambda leaf: _trees.is_array(leaf) and leaf.ndim)
+  assert chosen[0] is b and chosen[1] is w
+  new = [jnp.full(2, 3), jnp.full(2, 4.0)]
+  copy = replace(new)
+  assert copy[0]["b"] is new[0] and copy[0]["w"] is new[1]
+  assert copy[0]["name"] == "layer" and copy[1] == 0.5 and tree[0]["w"] is w
+
+
 def test_arrays_of_refuses_a_function_that_changes_the_static_leaves():
   f = _trees.arrays_of(lambda: {"name": "other", "w": jnp.ones(1)}, {"name": "mlp", "w": None})
   with pytest.raises(TypeError, match="changed the non-array leaves"):

@@ -36,7 +36,7 @@ Modules, each importing only those listed before it:
 from jax_lossscale.probes.core import LOSS
 from jax_lossscale.probes.core import Probes
 from jax_lossscale.probes.core import all_reduce_probes
-from jax_lossscale.probes.core import equinox_views
+from jax_lossscale.probes.core import equinox_probed_copy
 from jax_lossscale.probes.core import probe
 from jax_lossscale.probes.core import probing
 from jax_lossscale.probes.core import stacked_rows
@@ -50,6 +50,6 @@ from jax_lossscale.probes.stats import TensorSummary
 from jax_lossscale.probes.stats import largest_gradient
 
 __all__ = ("LOSS", "ProbeSummary", "Probes", "TensorSummary", "all_reduce_probes",
-           "equinox_probes", "equinox_views", "largest_gradient", "linen_probes",
+           "equinox_probes", "equinox_probed_copy", "largest_gradient", "linen_probes",
            "nnx_probes", "placed", "probe", "probing", "stacked_rows",
            "value_and_grad_with_probes")

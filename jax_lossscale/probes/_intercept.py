@@ -215,10 +215,10 @@ class Options(NamedTuple):
 
   Attributes:
     rows: stacked modules carry a row index, for a row per layer (`stacked_rows`).
-    views: an equinox model reaches the loss as a probed copy (`equinox_views`).
+    probed_copy: an equinox model reaches the loss as a probed copy (`equinox_probed_copy`).
   """
   rows: bool
-  views: bool
+  probed_copy: bool
 
 
 def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options, Any]:
@@ -236,7 +236,7 @@ def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options,
 
   Any other error is the loss's own (or the framework's), raised at once.
   """
-  options = Options(rows=True, views=True)
+  options = Options(rows=True, probed_copy=True)
   try:
     return _settled(attempt, options)
   except ValueError as error:
@@ -244,10 +244,10 @@ def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options,
       raise
     refused = error
   try:
-    return _settled(attempt, options._replace(views=False))
+    return _settled(attempt, options._replace(probed_copy=False))
   except Exception as error:  # the loss's own: raised, with a note of the first
     error.add_note(f"probes: the first pass also failed with the probed copy of an "
-                   f"equinox model (equinox views): {type(refused).__name__}: "
+                   f"equinox model: {type(refused).__name__}: "
                    f"{str(refused):.300}")
     raise
 

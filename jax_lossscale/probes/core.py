@@ -100,7 +100,7 @@ class _Discovery:
   sizes: dict[str, int | None] = dataclasses.field(default_factory=dict, kw_only=True)
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
-  views: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_views`
+  probed_copy: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_probed_copy`
   # Probes whose row index a scan inside a scan sliced twice (see `nested_stack`).
   nested: set = dataclasses.field(default_factory=set, kw_only=True)
   # What probes returned (by id, kept alive): not probed again (a module's last output).
@@ -124,7 +124,7 @@ class _Measurement:
   sizes: Mapping[str, int | None]
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
-  views: bool = dataclasses.field(default=True, kw_only=True)
+  probed_copy: bool = dataclasses.field(default=True, kw_only=True)
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)
 
   def probe(self, x, name, index, length):
@@ -211,14 +211,14 @@ def nested_stack(name: str) -> None:
     session.nested.add(name)
 
 
-def equinox_views() -> bool:
+def equinox_probed_copy() -> bool:
   """Whether the equinox adapter hands the loss a probed copy of the model.
 
   Off when the first pass failed with it: a loss that `eqx.combine`s the model with a
   static part of its own needs the model's own classes. The loss is then given the
   model itself, its modules unprobed.
   """
-  return _option("views")
+  return _option("probed_copy")
 
 
 def _option(name: str) -> bool:
@@ -332,11 +332,12 @@ def _discover_with_fallbacks(fun, args, kwargs) -> tuple[dict, _Found]:
   sessions = []
 
   def attempt(options):
-    sessions.append(_Discovery({}, rows=options.rows, views=options.views))
+    sessions.append(_Discovery({}, rows=options.rows, probed_copy=options.probed_copy))
     return _discover(sessions[-1], fun, args, kwargs), bool(sessions[-1].nested)
 
   options, found = _intercept.first_pass(attempt)
-  return {"rows": options.rows, "views": options.views, "skipped": sessions[-1].skipped}, found
+  return {"rows": options.rows, "probed_copy": options.probed_copy,
+          "skipped": sessions[-1].skipped}, found
 
 
 def _discover(session: _Discovery, fun, args, kwargs) -> _Found:

@@ -1,6 +1,6 @@
 """Probes on the output of every module of an equinox model, named by its path.
 
-The loss is given a probed copy of the model (`core.equinox_views`): each layer remade
+The loss is given a probed copy of the model (`core.equinox_probed_copy`): each layer remade
 as an instance of a probed subclass of its class. A loss that combines the model with a
 static part of its own cannot take one: it is given the model itself, unprobed.
 """
@@ -46,7 +46,7 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
     The probed `fun`.
   """
   def probed(model, *args, **kwargs):
-    if core.equinox_views():
+    if core.equinox_probed_copy():
       return fun(_probed_copy(model, ()), *args, **kwargs)
     return fun(model, *args, **kwargs)
 
