@@ -410,3 +410,47 @@ def test_filter_fn_sees_flax_linen_module_paths():
   jax.grad(jls.autocast(lambda p, x: jnp.sum(model.apply(p, x)), jnp.bfloat16, fp8=recipe))(
       params, X)
   assert seen == ["Model/body", "Model/head"]
+
+
+# --- gradient accumulation and probes ----------------------------------------------------
+
+
+def test_multisteps_applies_the_average_of_the_micro_batches_fp8_gradients():
+  # Current scaling keeps no amax between calls: each micro-batch's gradient is scaled from
+  # its own tensors, so accumulating them cannot keep only the last one's amax.
+  micro_batches = [X, 16 * jax.random.normal(KEYS[3], X.shape)]
+  f = jls.autocast(loss, jnp.bfloat16, fp8="tensorwise")
+  tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
+  grad_fn = jls.scaled_value_and_grad(f, argnums=1)
+
+  @jax.jit
+  def step(w, opt_state, x):
+    value, g = grad_fn(opt_state, x, w)
+    return tx.apply_gradients(g, opt_state, w, loss=value)
+
+  w, opt_state = step(W, tx.init(W), micro_batches[0])
+  np.testing.assert_array_equal(w, W)
+  w, _ = step(w, opt_state, micro_batches[1])
+  each = [jax.jit(jax.grad(f, argnums=1))(x, W) for x in micro_batches]
+  np.testing.assert_allclose(W - w, (each[0] + each[1]) / 2, rtol=1e-5, atol=1e-5)
+  assert relative_error(W - w, each[1]) > 0.4  # not the last micro-batch's alone
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_probes_measure_an_fp8_loss_and_leave_its_value_and_gradients_unchanged(recipe):
+  def probed_loss(x, w):
+    hidden = jls.diagnostics.probe(jnp.tanh(x @ w), "hidden")
+    return jnp.sum(hidden * C)
+
+  f = jls.autocast(probed_loss, jnp.bfloat16, fp8=recipe)
+  state = jls.loss_scaling(optax.sgd(0.1)).init((X, W))
+  value, g, probes = jax.jit(jls.scaled_value_and_grad(f, argnums=(0, 1), probes=True))(
+      state, X, W)
+  plain_value, plain_g = jax.jit(jls.scaled_value_and_grad(f, argnums=(0, 1)))(state, X, W)
+  np.testing.assert_array_equal(value, plain_value)
+  for got, want in zip(g, plain_g, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert int(probes["hidden"].hits) == 1
+  program = jax.make_jaxpr(jls.scaled_value_and_grad(f, argnums=(0, 1), probes=True))(
+      state, X, W)
+  assert len(float8_dots(program)) == 3
