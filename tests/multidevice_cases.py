@@ -482,3 +482,58 @@ def test_stochastic_rounding_draws_equal_bits_for_replicas_and_other_bits_for_sh
   assert all(np.array_equal(row, replicas[0]) for row in replicas)
   shards = shards.reshape(8, n)
   assert len({row.tobytes() for row in shards}) == 8
+
+
+def test_fp8_in_a_data_parallel_shard_map_scales_each_devices_shard_on_its_own():
+  # Replicated weights, the batch sharded: each device computes its operands' amax from its
+  # own shard, so one device's outlier rows leave the other devices at float8's error.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (8 * 32, 64)).at[:32].multiply(1e5)  # device 0's rows
+  w = jax.random.normal(kw, (64, 48)) / 8
+  matmul = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="tensorwise")
+  sharded = jax.jit(jax.shard_map(matmul, mesh=mesh, in_specs=(P("data"), P()),
+                                  out_specs=P("data")))
+
+  def others_error(out):
+    return float(jnp.linalg.norm(out[32:] - (x @ w)[32:]) / jnp.linalg.norm((x @ w)[32:]))
+
+  assert others_error(sharded(x, w)) < 0.05
+  assert others_error(jax.jit(matmul)(x, w)) > 0.2  # one amax for the whole batch
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_gradients_of_a_data_parallel_shard_map_and_pmap_are_within_float8s_error(recipe):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  kx, kw, kc = jax.random.split(jax.random.key(1), 3)
+  x, w = jax.random.normal(kx, (8 * 32, 64)), jax.random.normal(kw, (64, 48)) / 8
+  c = jax.random.normal(kc, (8 * 32, 48))
+
+  def per_device(w, x, c):
+    return lax.pmean(jnp.mean(jnp.tanh(x @ w) * c), "data")
+
+  def sharded_loss(w, x, c):
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=P())(w, x, c)
+
+  def error(got, want):
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+  fp8 = partial(jls.autocast, compute_dtype=jnp.bfloat16, fp8=recipe)
+  expected = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) * c))(w)
+  single_device = jax.jit(jax.grad(fp8(lambda w, x, c: jnp.mean(jnp.tanh(x @ w) * c))))(w, x, c)
+  sharded = jax.jit(jax.grad(fp8(sharded_loss)))(w, x, c)
+  pmapped = jax.pmap(lambda *args: lax.pmean(jax.grad(fp8(per_device))(*args), "data"),
+                     axis_name="data", in_axes=(None, 0, 0))(
+      w, x.reshape(8, 32, 64), c.reshape(8, 32, 48))
+  assert sharded.dtype == jnp.float32
+  assert error(single_device, expected) < 0.07
+  assert error(sharded, expected) < 0.07
+  # Per-shard scales round differently from one device's: two float8 errors apart, no more.
+  assert 0 < error(sharded, single_device) < 0.1
+  for replica in pmapped:
+    np.testing.assert_allclose(replica, sharded, rtol=1e-5, atol=1e-7)
+  ran = jls.precision_summary(fp8(sharded_loss), w, x, c)
+  grad_format = jnp.float8_e5m2 if recipe == "tensorwise" else jnp.float8_e4m3fn
+  assert ran.count("dot_general", jnp.float8_e4m3fn) == 1
+  assert ran.count("dot_general", grad_format, backward=True) == 2
