@@ -89,7 +89,7 @@ def demo_run(tmp_path_factory):
 
 def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(demo_run):
   runs, printed, out = demo_run
-  for run in runs[0][1:]:  # the float16 runs
+  for run in runs[0][1:]:  # the float16, bfloat16 and float8 runs
     assert np.isfinite(run.logs["loss"]).all() and np.isfinite(run.eval_loss), run.name
   for layer in ["embed", "blocks/norm_1[0]", "blocks/attention/qkv[0]", "blocks/up[1]",
                 "blocks[1]", "norm", "head", "parameter gradients"]:
@@ -97,8 +97,10 @@ def test_demo_runs_end_to_end_prints_the_per_layer_table_and_writes_a_plot(demo_
   for run in ["float32", "float16, no loss scaling",
               "float16, DynamicLossScale(increment_period=10)",
               "float16, MeasuredLossScale(margin=1)",
-              "float16, autocast + MeasuredLossScale(margin=1)",
-              "MeasuredLossScale vs DynamicLossScale", "autocast vs hand-cast float16"]:
+              "float16, autocast + MeasuredLossScale(margin=1)", "bfloat16, autocast",
+              "float8 tensorwise, autocast (bfloat16)", "float8 rowwise, autocast (bfloat16)",
+              "MeasuredLossScale vs DynamicLossScale", "autocast vs hand-cast float16",
+              "float8 tensorwise vs bfloat16", "float8 rowwise vs bfloat16"]:
     assert run in printed, run
   assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
@@ -131,12 +133,14 @@ def test_losses_over_seeds_are_reported_as_mean_and_half_the_range():
 
   names = [name for name, *_ in transformer.plan()]
   runs = [[run(n, loss, seed) for n, loss in zip(names, losses, strict=True)]
-          for seed, losses in enumerate([(2.0, 2.4, 2.02, 2.0, 2.0),
-                                         (2.2, 2.2, 2.2, 2.222, 2.2)])]
+          for seed, losses in enumerate([(2.0, 2.4, 2.02, 2.0, 2.0, 2.0, 2.02, 2.0),
+                                         (2.2, 2.2, 2.2, 2.222, 2.2, 2.2, 2.2, 2.222)])]
   table = transformer.format_runs(runs)
   assert "2.1000 ± 0.1000" in table  # float32: (2.0 + 2.2) / 2, half the range
   assert "+10.00 ± 10.00%" in table  # no loss scaling: +20% and 0% of float32
   assert "2**15/2**15" in table and "0.00% /  25.0%" in table
+  assert "float8 tensorwise vs bfloat16, held-out loss: +0.50 ± 0.50%" in table
+  assert "float8 rowwise vs bfloat16, held-out loss: +0.50 ± 0.50%" in table
 
 
 def test_the_autocast_runs_model_is_built_with_flaxs_defaults_in_float32(data):
@@ -173,6 +177,35 @@ def test_the_autocast_run_trains_in_float32_weights_to_float32s_held_out_loss(de
   assert run.eval_loss < 2.6 and reference.eval_loss < 2.6  # from 3.5 nats: both learned
   assert abs(run.eval_loss / reference.eval_loss - 1) < TOLERANCE, (run.eval_loss,
                                                                     reference.eval_loss)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_float8_runs_train_to_the_bfloat16_runs_held_out_loss(demo_run, recipe):
+  (runs,), _, _ = demo_run
+  by_name = {run.name: run for run in runs}
+  reference = by_name["bfloat16, autocast"]
+  run = by_name[f"float8 {recipe}, autocast (bfloat16)"]
+  assert run.skipped == reference.skipped == 0 and run.final_scale == 1.0  # no loss scale
+  assert {p.dtype for p in jax.tree.leaves(run.params)} == {jnp.dtype("float32")}
+  assert run.eval_loss < 2.6 and reference.eval_loss < 2.6
+  assert abs(run.eval_loss / reference.eval_loss - 1) < TOLERANCE, (run.eval_loss,
+                                                                    reference.eval_loss)
+
+
+@pytest.mark.parametrize("recipe, gradient", [("tensorwise", jnp.float8_e5m2),
+                                               ("rowwise", jnp.float8_e4m3fn)])
+def test_the_float8_runs_step_computes_its_matmuls_in_float8_but_the_vocabulary_head(
+    data, tokens, recipe, gradient):
+  model = transformer.TransformerLM(TINY, data.vocab, transformer.AUTOCAST, nnx.Rngs(0))
+  summary = jls.precision_summary(jls.autocast(transformer.loss_fn, jnp.bfloat16, fp8=recipe),
+                                  model, tokens)
+  # The scanned block's program, counted once: qkv, out, up, down and attention's two
+  # products (16 rows, 16 columns, 16 per head contracted) forward, two matmuls backward each.
+  assert summary.count("dot_general", jnp.float8_e4m3fn) == 6
+  assert summary.count("dot_general", gradient, backward=True) == 12
+  # The head's vocabulary (data.vocab, not a multiple of 16) keeps it in bfloat16.
+  assert data.vocab % 16 and summary.count("dot_general", jnp.bfloat16) == 1
+  assert summary.count("exp", jnp.bfloat16) == summary.count("exp", jnp.bfloat16, True) == 0
 
 
 def test_the_notebook_runs_top_to_bottom(demo_run):

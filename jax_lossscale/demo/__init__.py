@@ -17,6 +17,9 @@ MODELS = ("mlp", "transformer")
 # One look per kind of run, in every panel and plot of both demos: a run is found by the
 # first key its name contains.
 RUN_STYLES = {
+    "float8 tensorwise": {"color": "tab:brown", "linestyle": "-."},
+    "float8 rowwise": {"color": "tab:olive", "linestyle": "-."},
+    "bfloat16": {"color": "tab:gray", "linestyle": "--"},
     "float32": {"color": "black", "linestyle": "-"},
     "no loss scaling": {"color": "tab:red", "linestyle": ":"},
     "FixedLossScale": {"color": "tab:green", "linestyle": "-."},

@@ -6,8 +6,11 @@ Python's bundled documentation in float32, in float16 without loss scaling, with
 `DynamicLossScale(increment_period=10)` (it grows, overflows, skips, as in the MLP demo)
 and `MeasuredLossScale(margin=1)` (set from probes at every module); and once more with
 `MeasuredLossScale(margin=1)`, the model built with no dtype arguments (float32) and its loss
-run by `jls.autocast` (matmuls in float16). Prints the hand-cast measured run's per-layer
-table and the losses over seeds, plots each layer's headroom (`demo` extra).
+run by `jls.autocast` (matmuls in float16); then that float32 model under
+`jls.autocast(..., jnp.bfloat16)` and under `fp8="tensorwise"` and `fp8="rowwise"` (its
+matmuls in float8, scaled per tensor or per row, the rest in bfloat16), without loss
+scaling. Prints the hand-cast measured run's per-layer table and the losses over seeds,
+plots each layer's headroom (`demo` extra).
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ FLOAT16 = jls.get_policy("p=f32,c=f16,o=f32")
 @dataclasses.dataclass(frozen=True)
 class Autocast:
   """A model built with flax's defaults (float32, no dtype arguments), its loss run by
-  `jls.autocast` with matmuls in `compute_dtype`: in place of a `jls.Policy`."""
+  `jls.autocast(loss_fn, compute_dtype, fp8=fp8)`: matmuls in `compute_dtype`, or in
+  float8 with a recipe; in place of a `jls.Policy`."""
 
   compute_dtype: np.dtype = np.dtype(jnp.float16)
+  fp8: str | None = None
 
 
 AUTOCAST = Autocast()
+BFLOAT16 = Autocast(np.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +152,12 @@ def init(config: Config, vocab: int, policy: jls.Policy | Autocast, loss_scale: 
   return nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
 
 
-def make_step(graphdef: nnx.GraphDef, probes: bool, compute_dtype=None):
+def make_step(graphdef: nnx.GraphDef, probes: bool, compute_dtype=None, fp8=None):
   """The jitted step `(state, tokens) -> (state, logs)`, donating the state. `logs`: the
   loss, the scale used, the largest parameter gradient (unscaled), `jls.metrics` after the
   update and, with `probes`, the backward pass's measurements (the loss scale gets them).
-  With `compute_dtype`, the loss runs under `jls.autocast(loss_fn, compute_dtype)`."""
-  loss = loss_fn if compute_dtype is None else jls.autocast(loss_fn, compute_dtype)
+  With `compute_dtype`, the loss runs under `jls.autocast(loss_fn, compute_dtype, fp8=fp8)`."""
+  loss = loss_fn if compute_dtype is None else jls.autocast(loss_fn, compute_dtype, fp8=fp8)
   grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=nnx.value_and_grad, probes=probes)
 
   def step(state, tokens):
@@ -192,8 +198,10 @@ def train(name: str, data: Text, config: Config, policy: jls.Policy | Autocast,
           loss_scale: jls.LossScale, seed: int, progress: bool = True) -> RunResult:
   """Trains from the seed's initial weights and data order, shared by every run."""
   graphdef, state = init(config, data.vocab, policy, loss_scale, seed)
+  autocast = isinstance(policy, Autocast)
   step = make_step(graphdef, probes=isinstance(loss_scale, jls.MeasuredLossScale),
-                   compute_dtype=policy.compute_dtype if isinstance(policy, Autocast) else None)
+                   compute_dtype=policy.compute_dtype if autocast else None,
+                   fp8=policy.fp8 if autocast else None)
   starts = data.train_starts(seed, config.steps, config.batch, config.context + 1)
   steps = range(config.steps)
   if progress:
@@ -260,7 +268,9 @@ def layer_rows(model: TransformerLM, tokens: jax.Array, scale: float) -> list[tu
 
 
 def plan() -> list[tuple[str, jls.Policy | Autocast, jls.LossScale]]:
-  """The five runs of each seed: name, precision (policy, or autocast), loss scale."""
+  """The eight runs of each seed: name, precision (policy, or autocast), loss scale. The
+  bfloat16 and float8 runs need no loss scale (bfloat16 has float32's range; each float8
+  matmul scales its operands itself)."""
   return [("float32", FLOAT32, jls.NoOpLossScale()),
           ("float16, no loss scaling", FLOAT16, jls.NoOpLossScale()),
           ("float16, DynamicLossScale(increment_period=10)", FLOAT16,
@@ -268,11 +278,16 @@ def plan() -> list[tuple[str, jls.Policy | Autocast, jls.LossScale]]:
           # margin=1: with none, a gradient above the last 16 steps' skips (1-2 in 100 here).
           ("float16, MeasuredLossScale(margin=1)", FLOAT16, jls.MeasuredLossScale(margin=1)),
           ("float16, autocast + MeasuredLossScale(margin=1)", AUTOCAST,
-           jls.MeasuredLossScale(margin=1))]
+           jls.MeasuredLossScale(margin=1)),
+          ("bfloat16, autocast", BFLOAT16, jls.NoOpLossScale()),
+          ("float8 tensorwise, autocast (bfloat16)",
+           dataclasses.replace(BFLOAT16, fp8="tensorwise"), jls.NoOpLossScale()),
+          ("float8 rowwise, autocast (bfloat16)", dataclasses.replace(BFLOAT16, fp8="rowwise"),
+           jls.NoOpLossScale())]
 
 
 def run_all(config: Config, progress: bool = True) -> list[list[RunResult]]:
-  """Every seed's five runs, evaluated: `runs[seed][run]`."""
+  """Every seed's runs (`plan()`), evaluated: `runs[seed][run]`."""
   data = Text.load()
   return [[evaluate(train(name, data, config, policy, ls, seed, progress), data, config, policy)
            for name, policy, ls in plan()] for seed in config.seeds]
@@ -306,7 +321,8 @@ def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
   """Per run, over the seeds: held-out loss and its gap to float32 (mean ± half the
   range), skipped steps and final scale (per seed), the logits' gradient underflowing and
   subnormal (mean); then the held-out loss of MeasuredLossScale against DynamicLossScale,
-  and of the autocast model against the hand-cast one (both with MeasuredLossScale)."""
+  of the autocast model against the hand-cast one (both with MeasuredLossScale), and of
+  each float8 recipe against bfloat16 (all three autocast)."""
   columns = list(zip(*runs, strict=True))
   reference = np.array([r.eval_loss for r in columns[0]])
   header = (f"{'run':<48s} {'held-out loss':>15s} {'vs float32':>15s} {'skipped':>7s} "
@@ -321,7 +337,9 @@ def format_runs(runs: Sequence[Sequence[RunResult]]) -> str:
                  f"{100 * np.mean([r.underflow for r in seeds]):22.2f}% / "
                  f"{100 * np.mean([r.subnormal for r in seeds]):5.1f}%")
   gaps = {"MeasuredLossScale vs DynamicLossScale": (columns[2], columns[3]),
-          "autocast vs hand-cast float16 (MeasuredLossScale)": (columns[3], columns[4])}
+          "autocast vs hand-cast float16 (MeasuredLossScale)": (columns[3], columns[4]),
+          "float8 tensorwise vs bfloat16": (columns[5], columns[6]),
+          "float8 rowwise vs bfloat16": (columns[5], columns[7])}
   lines.append("")
   for name, (base, other) in gaps.items():
     gap = [100 * (o.eval_loss / b.eval_loss - 1) for b, o in zip(base, other, strict=True)]
@@ -369,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(f"--{flag}", type=int, default=getattr(d, flag))
   parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
   parser.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds),
-                      help="one set of five runs per seed; losses are reported over seeds")
+                      help="one set of runs per seed; losses are reported over seeds")
   parser.add_argument("--out", default="transformer_demo.png", help="where to write the plot")
   a = parser.parse_args(argv)
   config = Config(a.steps, a.batch, a.context, a.width, layers=a.layers,
