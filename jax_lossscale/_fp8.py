@@ -189,7 +189,7 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> jax.Array:
   so small (below 1e-36) that the factor would overflow float32."""
   factor = float(jnp.finfo(fmt).max) * (1 - 2**-20) / amax
   # Finite and positive (NaN fails both): a select, not `jnp.where`, whose own function
-  # and finiteness test XLA:CPU compiles again at every scale (a tenth of a rowwise
+  # and finiteness test XLA:CPU compiles again at every scale (about 5% of a rowwise
   # step's compile time).
   usable = (factor > 0) & (factor < np.float32(np.inf))
   factor = lax.select(usable, factor, jnp.ones_like(factor))
