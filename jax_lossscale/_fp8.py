@@ -9,6 +9,12 @@ scaling, as torchao and Transformer Engine's `Float8CurrentScaling` do): `finfo(
 
 The backward pass runs both of its matmuls in float8 too, with the incoming gradient in
 the recipe's `grad_format`, each operand scaled again along that matmul's own rows.
+
+Convolutions (`conv_general_dilated`, by the recipe's opt-in `convolutions`) run the same
+way: the forward convolution and both backward ones on scaled float8 operands with a
+float32 result. JAX's convolution takes operands of one dtype only, so both operands of a
+convolution share one format: `lhs_format` forward, `grad_format` backward (as JAX's own
+transpose rules cast the kernel to the incoming gradient's dtype).
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ _F32 = np.dtype(jnp.float32)
 
 
 class Float8Matmul(NamedTuple):
-  """A matmul that a recipe's `filter_fn` is asked about.
+  """A matmul (or convolution) that a recipe's `filter_fn` is asked about.
 
   Attributes:
     name_scope: its name scope (a flax module's path, a `jax.named_scope`), "" if none.
-    lhs_shape: its left operand's shape.
-    rhs_shape: its right operand's shape (a dense layer's kernel).
+    lhs_shape: its left operand's shape (a convolution's input).
+    rhs_shape: its right operand's shape (a dense layer's or a convolution's kernel).
   """
   name_scope: str
   lhs_shape: tuple[int, ...]
@@ -69,6 +75,13 @@ class Float8Recipe:
     filter_fn: `None`, or a function of a `Float8Matmul` that returns whether that
       matmul runs in float8 (torchao's `module_filter_fn`), e.g. to keep the first and
       last layers in `compute_dtype`.
+    convolutions: whether convolutions (`lax.conv_general_dilated`: flax's and equinox's
+      `Conv`) run in float8 too (off by default), forward and both backward convolutions,
+      where their input and output features are multiples of 16, at least `min_size`,
+      and not grouped (`feature_group_count` and `batch_group_count` 1). Both operands
+      of a convolution take one format (JAX's convolution requires it): `lhs_format`
+      forward, `grad_format` backward; per row, a convolution's scales are per batch
+      element of its input and per output feature of its kernel.
   """
   granularity: str = "tensor"
   lhs_format: Any = E4M3
@@ -77,6 +90,7 @@ class Float8Recipe:
   power_of_two_scales: bool = False
   min_size: int = 16
   filter_fn: Callable[[Float8Matmul], bool] | None = None
+  convolutions: bool = False
 
   def __post_init__(self):
     if self.granularity not in GRANULARITIES:
@@ -88,6 +102,8 @@ class Float8Recipe:
     if self.filter_fn is not None and not callable(self.filter_fn):
       raise TypeError(f"`filter_fn` must be None or a function of a Float8Matmul, got "
                       f"{self.filter_fn!r}.")
+    if not isinstance(self.convolutions, bool):
+      raise TypeError(f"`convolutions` must be True or False, got {self.convolutions!r}.")
 
   @classmethod
   def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
@@ -102,7 +118,17 @@ class Float8Recipe:
     rows = _size(matmul.lhs_shape, lhs_contract, lhs_batch)
     contraction = math.prod(matmul.lhs_shape[axis] for axis in lhs_contract)
     columns = _size(matmul.rhs_shape, rhs_contract, rhs_batch)
-    if any(size % 16 or size < self.min_size for size in (rows, contraction, columns)):
+    return self._takes(matmul, (rows, contraction, columns))
+
+  def runs_convolution(self, matmul: Float8Matmul, convolution: Convolution) -> bool:
+    """Whether the convolution `matmul` runs in float8 under this recipe (its input and
+    output features counted)."""
+    lhs_spec, rhs_spec, _ = convolution.dimension_numbers
+    features = (matmul.lhs_shape[lhs_spec[1]], matmul.rhs_shape[rhs_spec[0]])
+    return self.convolutions and self._takes(matmul, features)
+
+  def _takes(self, matmul: Float8Matmul, sizes: tuple[int, ...]) -> bool:
+    if any(size % 16 or size < self.min_size for size in sizes):
       return False
     return self.filter_fn is None or bool(self.filter_fn(matmul))
 
@@ -156,12 +182,17 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
 
 def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax.Array | None:
   """The matmul `op` (an `Operation` of `autocast`'s interpreter) on `operands` in float8
-  under `recipe`, returning `compute_dtype`; None where the recipe does not take it (a
-  convolution, integer operands, a size it excludes: it runs in `compute_dtype`)."""
-  if op.name != "dot_general" or not all(_is_floating(x) for x in operands):
+  under `recipe`, returning `compute_dtype`; None where the recipe does not take it
+  (integer operands, a size it excludes, a convolution unless it opted in: it runs in
+  `compute_dtype`)."""
+  if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
   described = Float8Matmul(op.name_scope, tuple(lhs.shape), tuple(rhs.shape))
+  if op.name == "conv_general_dilated":
+    return _convolution(recipe, op, described, lhs, rhs, compute_dtype)
+  if op.name != "dot_general":
+    return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
   measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
   if not measured.runs(described, dimension_numbers):
@@ -172,6 +203,21 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax
       index = recipe.add(described)
       return _measured_dot(lhs, rhs, dimension_numbers, recipe, index, compute_dtype)
     return _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
+
+
+def _convolution(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
+                 compute_dtype: np.dtype) -> jax.Array | None:
+  """The convolution `op` in float8, as `matmul`; None where it is grouped or the recipe
+  does not take it (the readiness report measures no convolution)."""
+  grouped = op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1
+  if isinstance(recipe, Measurement) or grouped:
+    return None
+  convolution = Convolution.of(op)
+  if not recipe.runs_convolution(described, convolution):
+    return None
+  with op.in_scope():
+    return _float8_conv(lhs.astype(compute_dtype), rhs.astype(compute_dtype), convolution,
+                        recipe, compute_dtype)
 
 
 def _is_floating(x: Any) -> bool:
@@ -226,6 +272,10 @@ class Quantized(NamedTuple):
   @property
   def ndim(self) -> int:
     return self.values.ndim
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
 
 
 def quantize(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> Quantized:
@@ -354,6 +404,138 @@ def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
 
 
 _float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
+
+
+# Convolutions.
+
+
+class Convolution(NamedTuple):
+  """A `lax.conv_general_dilated`'s parameters, its padding explicit (groups of 1).
+
+  Attributes:
+    window_strides: its strides.
+    padding: `(low, high)` per spatial dimension.
+    lhs_dilation: its input's dilation.
+    rhs_dilation: its kernel's dilation.
+    dimension_numbers: its `lax.ConvDimensionNumbers` (each operand's and the result's
+      batch or output-feature axis, feature axis, then spatial axes).
+  """
+  window_strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  dimension_numbers: lax.ConvDimensionNumbers
+
+  @classmethod
+  def of(cls, op: Any) -> Convolution:
+    """The convolution of `op`, an `Operation` of `conv_general_dilated`."""
+    ints = lambda values: tuple(int(v) for v in values)
+    return cls(ints(op.param("window_strides")),
+               tuple(ints(pair) for pair in op.param("padding")),
+               ints(op.param("lhs_dilation")), ints(op.param("rhs_dilation")),
+               lax.ConvDimensionNumbers(*map(ints, op.param("dimension_numbers"))))
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """The convolution of `lhs` by `rhs`, accumulated and returned in float32."""
+    return lax.conv_general_dilated(lhs, rhs, self.window_strides, self.padding,
+                                    self.lhs_dilation, self.rhs_dilation,
+                                    self.dimension_numbers, preferred_element_type=_F32)
+
+  def _dilated(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> tuple:
+    """The spatial sizes of the input, kernel and result, each dilated as this
+    convolution dilates it (the result by the strides)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+
+    def dilated(shape, spec, dilation):
+      return [0 if shape[axis] == 0 else 1 + d * (shape[axis] - 1)
+              for axis, d in zip(spec[2:], dilation, strict=True)]
+
+    return (dilated(lhs_shape, lhs_spec, self.lhs_dilation),
+            dilated(rhs_shape, rhs_spec, self.rhs_dilation),
+            dilated(out_shape, out_spec, self.window_strides))
+
+  def of_lhs(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> Convolution:
+    """The convolution of the incoming gradient by the spatially reversed kernel that
+    gives the input's gradient (JAX's transpose rule of `conv_general_dilated`)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+    lhs, rhs, out = self._dilated(lhs_shape, rhs_shape, out_shape)
+    before = [k - low - 1 for k, (low, _) in zip(rhs, self.padding, strict=True)]
+    after = [n + k - 1 - o - b for n, k, o, b in zip(lhs, rhs, out, before, strict=True)]
+    return Convolution(self.lhs_dilation, tuple(zip(before, after, strict=True)),
+                       self.window_strides, self.rhs_dilation,
+                       lax.ConvDimensionNumbers(out_spec, _swapped(rhs_spec), lhs_spec))
+
+  def of_rhs(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> Convolution:
+    """The convolution of the input by the incoming gradient that gives the kernel's
+    gradient (JAX's transpose rule of `conv_general_dilated`)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+    lhs, rhs, out = self._dilated(lhs_shape, rhs_shape, out_shape)
+    low = [low for low, _ in self.padding]
+    high = [o - n + k - lo - 1 for o, n, k, lo in zip(out, lhs, rhs, low, strict=True)]
+    return Convolution(self.rhs_dilation, tuple(zip(low, high, strict=True)),
+                       self.lhs_dilation, self.window_strides,
+                       lax.ConvDimensionNumbers(_swapped(lhs_spec), _swapped(out_spec),
+                                                _swapped(rhs_spec)))
+
+
+def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
+  """A convolution spec with its first two axes' roles exchanged (batch and feature)."""
+  return (spec[1], spec[0], *spec[2:])
+
+
+def _conv_output_scale(factor: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """An operand's scale laid out along `axis` of the convolution's `ndim`-dimensional
+  result; a scalar for a tensor's one scale."""
+  if factor.size == 1:
+    return factor.reshape(())
+  shape = [1] * ndim
+  shape[axis] = factor.size
+  return factor.reshape(shape)
+
+
+def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
+                convolution: Convolution, fmt: np.dtype, recipe: Float8Recipe) -> jax.Array:
+  """`convolution(lhs, rhs)` on float8 operands, both in `fmt` (each quantized here
+  unless it is already `Quantized`; per row, along the input's batch axis and the
+  kernel's output-feature axis, outside the contraction), in float32, the scales
+  divided out."""
+  lhs_spec, rhs_spec, out_spec = convolution.dimension_numbers
+  if not isinstance(lhs, Quantized):
+    lhs = quantize(lhs, fmt, _others(lhs.ndim, [lhs_spec[0]]), recipe)
+  if not isinstance(rhs, Quantized):
+    rhs = quantize(rhs, fmt, _others(rhs.ndim, [rhs_spec[0]]), recipe)
+  out = convolution(lhs.values, rhs.values)
+  out = out / _conv_output_scale(lhs.factor, out_spec[0], out.ndim)
+  return out / _conv_output_scale(rhs.factor, out_spec[1], out.ndim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _float8_conv(lhs, rhs, convolution, recipe, dtype):
+  return scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+
+
+def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
+  out = scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+  if recipe.granularity == "tensor":  # the backward convolutions' operands: kept in float8
+    lhs, rhs = (quantize(x, recipe.grad_format, range(x.ndim), recipe) for x in (lhs, rhs))
+  return out, (lhs, rhs)
+
+
+def _float8_conv_backward(convolution, recipe, dtype, residuals, g):
+  lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew)
+  spatial = convolution.dimension_numbers.rhs_spec[2:]
+  if isinstance(rhs, Quantized):  # its one scale does not change
+    reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.factor)
+  else:
+    reversed_rhs = lax.rev(rhs, spatial)
+  lhs_bar = scaled_conv(g, reversed_rhs, convolution.of_lhs(lhs.shape, rhs.shape, g.shape),
+                        recipe.grad_format, recipe)
+  rhs_bar = scaled_conv(lhs, g, convolution.of_rhs(lhs.shape, rhs.shape, g.shape),
+                        recipe.grad_format, recipe)
+  return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
+
+
+_float8_conv.defvjp(_float8_conv_forward, _float8_conv_backward)
 
 
 # Measuring what float8 would do, for the readiness report.
