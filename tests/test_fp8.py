@@ -632,3 +632,16 @@ def test_fp8_convolutions_in_a_flax_nnx_model_train_as_float32_does():
 def test_a_convolutions_opt_in_that_is_not_a_bool_is_refused_naming_it():
   with pytest.raises(TypeError, match="`convolutions`.*'yes'"):
     jls.Float8Recipe(convolutions="yes")
+
+
+def test_per_row_convolution_scales_are_divided_out_along_each_convolutions_own_axes():
+  recipe = jls.Float8Recipe("row", grad_format=E4M3, convolutions=True)  # scales not rounded
+  spread = lambda key, n: 10.0 ** jax.random.uniform(key, (n,), minval=-1.0, maxval=1.0)
+  x = CONV_X * spread(KEYS[0], 8)[:, None, None, None] * spread(KEYS[1], 32)
+  w = CONV_W * spread(KEYS[2], 64)
+  c = jax.random.normal(KEYS[3], (8, 16, 16, 64)) * spread(KEYS[1], 8)[:, None, None, None]
+  f = lambda x, w: jnp.sum(conv(x, w) * c * spread(KEYS[0], 64))
+  assert relative_error(jls.autocast(conv, jnp.bfloat16, fp8=recipe)(x, w), conv(x, w)) < 0.05
+  for got, want in zip(grads(jls.autocast(f, jnp.bfloat16, fp8=recipe), x, w), grads(f, x, w),
+                       strict=True):
+    assert relative_error(got, want) < 0.05
