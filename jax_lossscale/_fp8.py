@@ -201,23 +201,26 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax
   with op.in_scope():
     if isinstance(recipe, Measurement):
       index = recipe.add(described)
-      return _measured_dot(lhs, rhs, dimension_numbers, recipe, index, compute_dtype)
+      return _measured(lhs, rhs, Dot(dimension_numbers), recipe, index, compute_dtype)
     return _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
 
 
 def _convolution(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
                  compute_dtype: np.dtype) -> jax.Array | None:
   """The convolution `op` in float8, as `matmul`; None where it is grouped or the recipe
-  does not take it (the readiness report measures no convolution)."""
-  grouped = op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1
-  if isinstance(recipe, Measurement) or grouped:
+  does not take it."""
+  if op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1:
     return None
   convolution = Convolution.of(op)
-  if not recipe.runs_convolution(described, convolution):
+  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
+  if not measured.runs_convolution(described, convolution):
     return None
+  lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
   with op.in_scope():
-    return _float8_conv(lhs.astype(compute_dtype), rhs.astype(compute_dtype), convolution,
-                        recipe, compute_dtype)
+    if isinstance(recipe, Measurement):
+      index = recipe.add(described)
+      return _measured(lhs, rhs, convolution, recipe, index, compute_dtype)
+    return _float8_conv(lhs, rhs, convolution, recipe, compute_dtype)
 
 
 def _is_floating(x: Any) -> bool:
@@ -381,6 +384,42 @@ def _formats(recipe: Float8Recipe) -> tuple:
   return recipe.grad_format, recipe.lhs_format, recipe.rhs_format
 
 
+class Dot(NamedTuple):
+  """A `dot_general` and its two backward matmuls, as the readiness report measures them
+  (a `Convolution` answers the same four questions).
+
+  Attributes:
+    dimension_numbers: its dimension numbers.
+  """
+  dimension_numbers: Any
+
+  def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
+    """The forward product in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return plain_dot(lhs, rhs, self.dimension_numbers)
+    return scaled_dot(lhs, rhs, self.dimension_numbers, recipe.lhs_format, recipe.rhs_format,
+                      recipe)
+
+  def gradients(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array,
+                recipe: Float8Recipe | None) -> tuple:
+    """The gradients of `lhs` and `rhs` in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return _gradients(plain_dot, g, lhs, rhs, self.dimension_numbers, (None,) * 3, None)
+    return _gradients(scaled_dot, g, lhs, rhs, self.dimension_numbers, _formats(recipe), recipe)
+
+  def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, operand, contracting axes, the recipe's attribute naming its format)` of
+    each forward operand."""
+    (lhs_contract, rhs_contract), _ = self.dimension_numbers
+    return (("lhs", lhs, lhs_contract, "lhs_format"), ("rhs", rhs, rhs_contract, "rhs_format"))
+
+  def incoming(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, contracting axes)` of the incoming gradient in each backward matmul."""
+    return tuple((kind, of(self.dimension_numbers, lhs.ndim, rhs.ndim).dimension_numbers[0][0])
+                 for kind, of in (("gradient for lhs", _gradient_of_lhs),
+                                  ("gradient for rhs", _gradient_of_rhs)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
   out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
@@ -478,6 +517,45 @@ class Convolution(NamedTuple):
                                                 _swapped(rhs_spec)))
 
 
+  def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
+    """The forward convolution in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return self(lhs.astype(_F32), rhs.astype(_F32))
+    return scaled_conv(lhs, rhs, self, recipe.lhs_format, recipe)
+
+  def gradients(self, g: jax.Array, lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
+                recipe: Float8Recipe | None) -> tuple:
+    """The gradients of `lhs` and `rhs` in float32 (the backward convolutions): in
+    float8 under `recipe` (both operands in its `grad_format`), exact for None."""
+    spatial = self.dimension_numbers.rhs_spec[2:]
+    if isinstance(rhs, Quantized):  # its one scale does not change
+      reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.factor)
+    else:
+      reversed_rhs = lax.rev(rhs, spatial)
+    of_lhs = self.of_lhs(lhs.shape, rhs.shape, g.shape)
+    of_rhs = self.of_rhs(lhs.shape, rhs.shape, g.shape)
+    if recipe is None:
+      return (of_lhs(g.astype(_F32), reversed_rhs.astype(_F32)),
+              of_rhs(lhs.astype(_F32), g.astype(_F32)))
+    return (scaled_conv(g, reversed_rhs, of_lhs, recipe.grad_format, recipe),
+            scaled_conv(lhs, g, of_rhs, recipe.grad_format, recipe))
+
+  def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, operand, axes its amax is taken over per row, the recipe's attribute
+    naming its format)` of each forward operand."""
+    lhs_spec, rhs_spec, _ = self.dimension_numbers
+    return (("lhs", lhs, _others(lhs.ndim, [lhs_spec[0]]), "lhs_format"),
+            ("rhs", rhs, _others(rhs.ndim, [rhs_spec[0]]), "lhs_format"))
+
+  def incoming(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, axes its amax is taken over per row)` of the incoming gradient in each
+    backward convolution: per batch element for the input's, per output feature for the
+    kernel's."""
+    _, _, out_spec = self.dimension_numbers
+    return (("gradient for lhs", _others(g.ndim, [out_spec[0]])),
+            ("gradient for rhs", _others(g.ndim, [out_spec[1]])))
+
+
 def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
   """A convolution spec with its first two axes' roles exchanged (batch and feature)."""
   return (spec[1], spec[0], *spec[2:])
@@ -523,15 +601,7 @@ def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
 
 def _float8_conv_backward(convolution, recipe, dtype, residuals, g):
   lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew)
-  spatial = convolution.dimension_numbers.rhs_spec[2:]
-  if isinstance(rhs, Quantized):  # its one scale does not change
-    reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.factor)
-  else:
-    reversed_rhs = lax.rev(rhs, spatial)
-  lhs_bar = scaled_conv(g, reversed_rhs, convolution.of_lhs(lhs.shape, rhs.shape, g.shape),
-                        recipe.grad_format, recipe)
-  rhs_bar = scaled_conv(lhs, g, convolution.of_rhs(lhs.shape, rhs.shape, g.shape),
-                        recipe.grad_format, recipe)
+  lhs_bar, rhs_bar = convolution.gradients(g, lhs, rhs, recipe)
   return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
@@ -578,11 +648,12 @@ def relative_error(approximate: jax.Array, reference: jax.Array) -> tuple:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Measurement:
-  """A stand-in for a recipe that runs each eligible matmul in `compute_dtype` and
-  reports, through `record`, what each of `recipes` would do to it.
+  """A stand-in for a recipe that runs each eligible matmul (and convolution) in
+  `compute_dtype` and reports, through `record`, what each of `recipes` would do to it.
 
   Attributes:
-    recipes: the recipes measured; the first decides which matmuls are eligible.
+    recipes: the recipes measured; the first decides which matmuls and convolutions are
+      eligible.
     record: called on the host as `record(matmul index, kind, stats)`, `kind` one of
       "lhs", "rhs", "gradient for lhs", "gradient for rhs" (the incoming gradient as
       scaled for each backward matmul; a `{recipe index: TensorStats}`) or "forward", "lhs
@@ -602,33 +673,33 @@ class Measurement:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _measured_dot(lhs, rhs, dimension_numbers, measurement, index, dtype):
-  return _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype)[0]
+def _measured(lhs, rhs, products, measurement, index, dtype):
+  """The product of `lhs` and `rhs` (`products`: a `Dot` or a `Convolution`) in float32,
+  returned in `dtype`; what each recipe would do to it and to its backward products is
+  emitted, forward and backward."""
+  return _measured_forward(lhs, rhs, products, measurement, index, dtype)[0]
 
 
-def _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype):
-  (lhs_contract, rhs_contract), _ = dimension_numbers
-  reference = plain_dot(lhs, rhs, dimension_numbers)
-  for kind, x, contract, fmt in (("lhs", lhs, lhs_contract, "lhs_format"),
-                                 ("rhs", rhs, rhs_contract, "rhs_format")):
+def _measured_forward(lhs, rhs, products, measurement, index, dtype):
+  reference = products.product(lhs, rhs, None)
+  for kind, x, contract, fmt in products.operands(lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(x, getattr(r, fmt), contract, r)
                                    for i, r in enumerate(measurement.recipes)})
   measurement.emit(index, "forward", {
-      i: relative_error(scaled_dot(lhs, rhs, dimension_numbers, r.lhs_format, r.rhs_format, r),
-                        reference) for i, r in enumerate(measurement.recipes)})
+      i: relative_error(products.product(lhs, rhs, r), reference)
+      for i, r in enumerate(measurement.recipes)})
   return reference.astype(dtype), (lhs, rhs)
 
 
-def _measured_dot_backward(dimension_numbers, measurement, index, dtype, residuals, g):
+def _measured_backward(products, measurement, index, dtype, residuals, g):
   lhs, rhs = residuals
-  for kind, of in (("gradient for lhs", _gradient_of_lhs), ("gradient for rhs", _gradient_of_rhs)):
-    contract = of(dimension_numbers, lhs.ndim, rhs.ndim).dimension_numbers[0][0]
+  for kind, contract in products.incoming(g, lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(g, r.grad_format, contract, r)
                                    for i, r in enumerate(measurement.recipes)})
-  references = _gradients(plain_dot, g, lhs, rhs, dimension_numbers, (None,) * 3, None)
+  references = products.gradients(g, lhs, rhs, None)
   lhs_errors, rhs_errors = {}, {}
   for i, r in enumerate(measurement.recipes):
-    lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(r), r)
+    lhs_bar, rhs_bar = products.gradients(g, lhs, rhs, r)
     lhs_errors[i] = relative_error(lhs_bar, references[0])
     rhs_errors[i] = relative_error(rhs_bar, references[1])
   measurement.emit(index, "lhs gradient", lhs_errors)
@@ -636,4 +707,4 @@ def _measured_dot_backward(dimension_numbers, measurement, index, dtype, residua
   return references[0].astype(lhs.dtype), references[1].astype(rhs.dtype)
 
 
-_measured_dot.defvjp(_measured_dot_forward, _measured_dot_backward)
+_measured.defvjp(_measured_forward, _measured_backward)
