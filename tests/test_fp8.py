@@ -612,6 +612,24 @@ def test_fp8_convolutions_in_a_flax_linen_model_give_gradients_close_to_float32s
   assert summary.count("conv_general_dilated", E5M2, backward=True) == 4
 
 
+def test_fp8_convolutions_run_inside_a_scan_under_vmap():
+  w = jax.random.normal(KEYS[3], (3, 3, 32, 32)) / 10
+
+  def f(x, w):
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(conv(h, w)), None), x, None, length=3)
+    return jnp.sum(h)
+
+  xs = jnp.stack([CONV_X[:4], CONV_X[4:] / 3])
+  batched = lambda f: jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(0, None)))
+  got = batched(jls.autocast(f, jnp.bfloat16, fp8=CONVOLUTIONS["rowwise"]))(xs, w)
+  for g, e in zip(got, batched(f)(xs, w), strict=True):
+    assert relative_error(g, e) < 0.25  # three layers (see assert_fp8_gradients_close)
+  summary = jls.precision_summary(jls.autocast(f, jnp.bfloat16, fp8=CONVOLUTIONS["rowwise"]),
+                                  CONV_X, w)
+  assert summary.count("conv_general_dilated", E4M3) == 1  # the loop body's, once
+  assert summary.count("conv_general_dilated", E4M3, backward=True) == 2
+
+
 def test_fp8_convolutions_in_a_flax_nnx_model_train_as_float32_does():
   def train(fp8):  # losses of 5 SGD steps
     model = nnx.Conv(32, 64, (3, 3), use_bias=False, rngs=nnx.Rngs(0))
