@@ -156,8 +156,9 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
       (TPU), or a name of the policy grammar (`"f16"`, `"half"`, `"bf16"`).
     fp8: `None`, or a recipe for float8 matmuls (`"tensorwise"`, `"rowwise"` or a
       `Float8Recipe`): each `dot_general` it takes runs on scaled float8 operands, in the
-      forward pass and both matmuls of its backward pass, and returns `compute_dtype`
-      (see `docs/fp8.md`).
+      forward pass and both matmuls of its backward pass, and returns `compute_dtype`;
+      convolutions too with `Float8Recipe.from_name(..., convolutions=True)`, otherwise
+      they run in `compute_dtype` (see `docs/fp8.md`).
 
   Returns:
     A function with `fun`'s signature, whose outputs have `fun`'s dtypes.

@@ -9,6 +9,12 @@ scaling, as torchao and Transformer Engine's `Float8CurrentScaling` do): `finfo(
 
 The backward pass runs both of its matmuls in float8 too, with the incoming gradient in
 the recipe's `grad_format`, each operand scaled again along that matmul's own rows.
+
+Convolutions (`conv_general_dilated`, by the recipe's opt-in `convolutions`) run the same
+way: the forward convolution and both backward ones on scaled float8 operands with a
+float32 result. JAX's convolution takes operands of one dtype only, so both operands of a
+convolution share one format: `lhs_format` forward, `grad_format` backward (as JAX's own
+transpose rules cast the kernel to the incoming gradient's dtype).
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ _F32 = np.dtype(jnp.float32)
 
 
 class Float8Matmul(NamedTuple):
-  """A matmul that a recipe's `filter_fn` is asked about.
+  """A matmul (or convolution) that a recipe's `filter_fn` is asked about.
 
   Attributes:
     name_scope: its name scope (a flax module's path, a `jax.named_scope`), "" if none.
-    lhs_shape: its left operand's shape.
-    rhs_shape: its right operand's shape (a dense layer's kernel).
+    lhs_shape: its left operand's shape (a convolution's input).
+    rhs_shape: its right operand's shape (a dense layer's or a convolution's kernel).
   """
   name_scope: str
   lhs_shape: tuple[int, ...]
@@ -69,6 +75,13 @@ class Float8Recipe:
     filter_fn: `None`, or a function of a `Float8Matmul` that returns whether that
       matmul runs in float8 (torchao's `module_filter_fn`), e.g. to keep the first and
       last layers in `compute_dtype`.
+    convolutions: whether convolutions (`lax.conv_general_dilated`: flax's and equinox's
+      `Conv`) run in float8 too (off by default), forward and both backward convolutions,
+      where their input and output features are multiples of 16, at least `min_size`,
+      and not grouped (`feature_group_count` and `batch_group_count` 1). Both operands
+      of a convolution take one format (JAX's convolution requires it): `lhs_format`
+      forward, `grad_format` backward; per row, a convolution's scales are per batch
+      element of its input and per output feature of its kernel.
   """
   granularity: str = "tensor"
   lhs_format: Any = E4M3
@@ -77,6 +90,7 @@ class Float8Recipe:
   power_of_two_scales: bool = False
   min_size: int = 16
   filter_fn: Callable[[Float8Matmul], bool] | None = None
+  convolutions: bool = False
 
   def __post_init__(self):
     if self.granularity not in GRANULARITIES:
@@ -88,6 +102,8 @@ class Float8Recipe:
     if self.filter_fn is not None and not callable(self.filter_fn):
       raise TypeError(f"`filter_fn` must be None or a function of a Float8Matmul, got "
                       f"{self.filter_fn!r}.")
+    if not isinstance(self.convolutions, bool):
+      raise TypeError(f"`convolutions` must be True or False, got {self.convolutions!r}.")
 
   @classmethod
   def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
@@ -102,7 +118,17 @@ class Float8Recipe:
     rows = _size(matmul.lhs_shape, lhs_contract, lhs_batch)
     contraction = math.prod(matmul.lhs_shape[axis] for axis in lhs_contract)
     columns = _size(matmul.rhs_shape, rhs_contract, rhs_batch)
-    if any(size % 16 or size < self.min_size for size in (rows, contraction, columns)):
+    return self._takes(matmul, (rows, contraction, columns))
+
+  def runs_convolution(self, matmul: Float8Matmul, convolution: Convolution) -> bool:
+    """Whether the convolution `matmul` runs in float8 under this recipe (its input and
+    output features counted)."""
+    lhs_spec, rhs_spec, _ = convolution.dimension_numbers
+    features = (matmul.lhs_shape[lhs_spec[1]], matmul.rhs_shape[rhs_spec[0]])
+    return self.convolutions and self._takes(matmul, features)
+
+  def _takes(self, matmul: Float8Matmul, sizes: tuple[int, ...]) -> bool:
+    if any(size % 16 or size < self.min_size for size in sizes):
       return False
     return self.filter_fn is None or bool(self.filter_fn(matmul))
 
@@ -156,12 +182,17 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
 
 def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax.Array | None:
   """The matmul `op` (an `Operation` of `autocast`'s interpreter) on `operands` in float8
-  under `recipe`, returning `compute_dtype`; None where the recipe does not take it (a
-  convolution, integer operands, a size it excludes: it runs in `compute_dtype`)."""
-  if op.name != "dot_general" or not all(_is_floating(x) for x in operands):
+  under `recipe`, returning `compute_dtype`; None where the recipe does not take it
+  (integer operands, a size it excludes, a convolution unless it opted in: it runs in
+  `compute_dtype`)."""
+  if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
   described = Float8Matmul(op.name_scope, tuple(lhs.shape), tuple(rhs.shape))
+  if op.name == "conv_general_dilated":
+    return _convolution(recipe, op, described, lhs, rhs, compute_dtype)
+  if op.name != "dot_general":
+    return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
   measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
   if not measured.runs(described, dimension_numbers):
@@ -170,8 +201,26 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax
   with op.in_scope():
     if isinstance(recipe, Measurement):
       index = recipe.add(described)
-      return _measured_dot(lhs, rhs, dimension_numbers, recipe, index, compute_dtype)
+      return _measured(lhs, rhs, Dot(dimension_numbers), recipe, index, compute_dtype)
     return _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
+
+
+def _convolution(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
+                 compute_dtype: np.dtype) -> jax.Array | None:
+  """The convolution `op` in float8, as `matmul`; None where it is grouped or the recipe
+  does not take it."""
+  if op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1:
+    return None
+  convolution = Convolution.of(op)
+  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
+  if not measured.runs_convolution(described, convolution):
+    return None
+  lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
+  with op.in_scope():
+    if isinstance(recipe, Measurement):
+      index = recipe.add(described)
+      return _measured(lhs, rhs, convolution, recipe, index, compute_dtype)
+    return _float8_conv(lhs, rhs, convolution, recipe, compute_dtype)
 
 
 def _is_floating(x: Any) -> bool:
@@ -230,6 +279,10 @@ class Quantized(NamedTuple):
   @property
   def ndim(self) -> int:
     return self.values.ndim
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
 
 
 def quantize(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> Quantized:
@@ -335,6 +388,42 @@ def _formats(recipe: Float8Recipe) -> tuple:
   return recipe.grad_format, recipe.lhs_format, recipe.rhs_format
 
 
+class Dot(NamedTuple):
+  """A `dot_general` and its two backward matmuls, as the readiness report measures them
+  (a `Convolution` answers the same four questions).
+
+  Attributes:
+    dimension_numbers: its dimension numbers.
+  """
+  dimension_numbers: Any
+
+  def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
+    """The forward product in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return plain_dot(lhs, rhs, self.dimension_numbers)
+    return scaled_dot(lhs, rhs, self.dimension_numbers, recipe.lhs_format, recipe.rhs_format,
+                      recipe)
+
+  def gradients(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array,
+                recipe: Float8Recipe | None) -> tuple:
+    """The gradients of `lhs` and `rhs` in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return _gradients(plain_dot, g, lhs, rhs, self.dimension_numbers, (None,) * 3, None)
+    return _gradients(scaled_dot, g, lhs, rhs, self.dimension_numbers, _formats(recipe), recipe)
+
+  def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, operand, contracting axes, the recipe's attribute naming its format)` of
+    each forward operand."""
+    (lhs_contract, rhs_contract), _ = self.dimension_numbers
+    return (("lhs", lhs, lhs_contract, "lhs_format"), ("rhs", rhs, rhs_contract, "rhs_format"))
+
+  def incoming(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, contracting axes)` of the incoming gradient in each backward matmul."""
+    return tuple((kind, of(self.dimension_numbers, lhs.ndim, rhs.ndim).dimension_numbers[0][0])
+                 for kind, of in (("gradient for lhs", _gradient_of_lhs),
+                                  ("gradient for rhs", _gradient_of_rhs)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
   out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
@@ -358,6 +447,169 @@ def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
 
 
 _float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
+
+
+# Convolutions.
+
+
+class Convolution(NamedTuple):
+  """A `lax.conv_general_dilated`'s parameters, its padding explicit (groups of 1).
+
+  Attributes:
+    window_strides: its strides.
+    padding: `(low, high)` per spatial dimension.
+    lhs_dilation: its input's dilation.
+    rhs_dilation: its kernel's dilation.
+    dimension_numbers: its `lax.ConvDimensionNumbers` (each operand's and the result's
+      batch or output-feature axis, feature axis, then spatial axes).
+  """
+  window_strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  dimension_numbers: lax.ConvDimensionNumbers
+
+  @classmethod
+  def of(cls, op: Any) -> Convolution:
+    """The convolution of `op`, an `Operation` of `conv_general_dilated`."""
+    ints = lambda values: tuple(int(v) for v in values)
+    return cls(ints(op.param("window_strides")),
+               tuple(ints(pair) for pair in op.param("padding")),
+               ints(op.param("lhs_dilation")), ints(op.param("rhs_dilation")),
+               lax.ConvDimensionNumbers(*map(ints, op.param("dimension_numbers"))))
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """The convolution of `lhs` by `rhs`, accumulated and returned in float32."""
+    return lax.conv_general_dilated(lhs, rhs, self.window_strides, self.padding,
+                                    self.lhs_dilation, self.rhs_dilation,
+                                    self.dimension_numbers, preferred_element_type=_F32)
+
+  def _dilated(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> tuple:
+    """The spatial sizes of the input, kernel and result, each dilated as this
+    convolution dilates it (the result by the strides)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+
+    def dilated(shape, spec, dilation):
+      return [0 if shape[axis] == 0 else 1 + d * (shape[axis] - 1)
+              for axis, d in zip(spec[2:], dilation, strict=True)]
+
+    return (dilated(lhs_shape, lhs_spec, self.lhs_dilation),
+            dilated(rhs_shape, rhs_spec, self.rhs_dilation),
+            dilated(out_shape, out_spec, self.window_strides))
+
+  def of_lhs(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> Convolution:
+    """The convolution of the incoming gradient by the spatially reversed kernel that
+    gives the input's gradient (JAX's transpose rule of `conv_general_dilated`)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+    lhs, rhs, out = self._dilated(lhs_shape, rhs_shape, out_shape)
+    before = [k - low - 1 for k, (low, _) in zip(rhs, self.padding, strict=True)]
+    after = [n + k - 1 - o - b for n, k, o, b in zip(lhs, rhs, out, before, strict=True)]
+    return Convolution(self.lhs_dilation, tuple(zip(before, after, strict=True)),
+                       self.window_strides, self.rhs_dilation,
+                       lax.ConvDimensionNumbers(out_spec, _swapped(rhs_spec), lhs_spec))
+
+  def of_rhs(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> Convolution:
+    """The convolution of the input by the incoming gradient that gives the kernel's
+    gradient (JAX's transpose rule of `conv_general_dilated`)."""
+    lhs_spec, rhs_spec, out_spec = self.dimension_numbers
+    lhs, rhs, out = self._dilated(lhs_shape, rhs_shape, out_shape)
+    low = [low for low, _ in self.padding]
+    high = [o - n + k - lo - 1 for o, n, k, lo in zip(out, lhs, rhs, low, strict=True)]
+    return Convolution(self.rhs_dilation, tuple(zip(low, high, strict=True)),
+                       self.lhs_dilation, self.window_strides,
+                       lax.ConvDimensionNumbers(_swapped(lhs_spec), _swapped(out_spec),
+                                                _swapped(rhs_spec)))
+
+
+  def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
+    """The forward convolution in float32: in float8 under `recipe`, exact for None."""
+    if recipe is None:
+      return self(lhs.astype(_F32), rhs.astype(_F32))
+    return scaled_conv(lhs, rhs, self, recipe.lhs_format, recipe)
+
+  def gradients(self, g: jax.Array, lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
+                recipe: Float8Recipe | None) -> tuple:
+    """The gradients of `lhs` and `rhs` in float32 (the backward convolutions): in
+    float8 under `recipe` (both operands in its `grad_format`), exact for None."""
+    spatial = self.dimension_numbers.rhs_spec[2:]
+    if isinstance(rhs, Quantized):  # its one scale does not change
+      reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.factor)
+    else:
+      reversed_rhs = lax.rev(rhs, spatial)
+    of_lhs = self.of_lhs(lhs.shape, rhs.shape, g.shape)
+    of_rhs = self.of_rhs(lhs.shape, rhs.shape, g.shape)
+    if recipe is None:
+      return (of_lhs(g.astype(_F32), reversed_rhs.astype(_F32)),
+              of_rhs(lhs.astype(_F32), g.astype(_F32)))
+    return (scaled_conv(g, reversed_rhs, of_lhs, recipe.grad_format, recipe),
+            scaled_conv(lhs, g, of_rhs, recipe.grad_format, recipe))
+
+  def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, operand, axes its amax is taken over per row, the recipe's attribute
+    naming its format)` of each forward operand."""
+    lhs_spec, rhs_spec, _ = self.dimension_numbers
+    return (("lhs", lhs, _others(lhs.ndim, [lhs_spec[0]]), "lhs_format"),
+            ("rhs", rhs, _others(rhs.ndim, [rhs_spec[0]]), "lhs_format"))
+
+  def incoming(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """`(kind, axes its amax is taken over per row)` of the incoming gradient in each
+    backward convolution: per batch element for the input's, per output feature for the
+    kernel's."""
+    _, _, out_spec = self.dimension_numbers
+    return (("gradient for lhs", _others(g.ndim, [out_spec[0]])),
+            ("gradient for rhs", _others(g.ndim, [out_spec[1]])))
+
+
+def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
+  """A convolution spec with its first two axes' roles exchanged (batch and feature)."""
+  return (spec[1], spec[0], *spec[2:])
+
+
+def _conv_output_scale(factor: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """An operand's scale laid out along `axis` of the convolution's `ndim`-dimensional
+  result; a scalar for a tensor's one scale."""
+  if factor.size == 1:
+    return factor.reshape(())
+  shape = [1] * ndim
+  shape[axis] = factor.size
+  return factor.reshape(shape)
+
+
+def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
+                convolution: Convolution, fmt: np.dtype, recipe: Float8Recipe) -> jax.Array:
+  """`convolution(lhs, rhs)` on float8 operands, both in `fmt` (each quantized here
+  unless it is already `Quantized`; per row, along the input's batch axis and the
+  kernel's output-feature axis, outside the contraction), in float32, the scales
+  divided out."""
+  lhs_spec, rhs_spec, out_spec = convolution.dimension_numbers
+  if not isinstance(lhs, Quantized):
+    lhs = quantize(lhs, fmt, _others(lhs.ndim, [lhs_spec[0]]), recipe)
+  if not isinstance(rhs, Quantized):
+    rhs = quantize(rhs, fmt, _others(rhs.ndim, [rhs_spec[0]]), recipe)
+  out = convolution(lhs.values, rhs.values)
+  out = out / _conv_output_scale(lhs.factor, out_spec[0], out.ndim)
+  return out / _conv_output_scale(rhs.factor, out_spec[1], out.ndim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _float8_conv(lhs, rhs, convolution, recipe, dtype):
+  return scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+
+
+def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
+  out = scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+  if recipe.granularity == "tensor":  # the backward convolutions' operands: kept in float8
+    lhs, rhs = (quantize(x, recipe.grad_format, range(x.ndim), recipe) for x in (lhs, rhs))
+  return out, (lhs, rhs)
+
+
+def _float8_conv_backward(convolution, recipe, dtype, residuals, g):
+  lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew)
+  lhs_bar, rhs_bar = convolution.gradients(g, lhs, rhs, recipe)
+  return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
+
+
+_float8_conv.defvjp(_float8_conv_forward, _float8_conv_backward)
 
 
 # Measuring what float8 would do, for the readiness report.
@@ -400,11 +652,12 @@ def relative_error(approximate: jax.Array, reference: jax.Array) -> tuple:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Measurement:
-  """A stand-in for a recipe that runs each eligible matmul in `compute_dtype` and
-  reports, through `record`, what each of `recipes` would do to it.
+  """A stand-in for a recipe that runs each eligible matmul (and convolution) in
+  `compute_dtype` and reports, through `record`, what each of `recipes` would do to it.
 
   Attributes:
-    recipes: the recipes measured; the first decides which matmuls are eligible.
+    recipes: the recipes measured; the first decides which matmuls and convolutions are
+      eligible.
     record: called on the host as `record(matmul index, kind, stats)`, `kind` one of
       "lhs", "rhs", "gradient for lhs", "gradient for rhs" (the incoming gradient as
       scaled for each backward matmul; a `{recipe index: TensorStats}`) or "forward", "lhs
@@ -424,33 +677,33 @@ class Measurement:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _measured_dot(lhs, rhs, dimension_numbers, measurement, index, dtype):
-  return _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype)[0]
+def _measured(lhs, rhs, products, measurement, index, dtype):
+  """The product of `lhs` and `rhs` (`products`: a `Dot` or a `Convolution`) in float32,
+  returned in `dtype`; what each recipe would do to it and to its backward products is
+  emitted, forward and backward."""
+  return _measured_forward(lhs, rhs, products, measurement, index, dtype)[0]
 
 
-def _measured_dot_forward(lhs, rhs, dimension_numbers, measurement, index, dtype):
-  (lhs_contract, rhs_contract), _ = dimension_numbers
-  reference = plain_dot(lhs, rhs, dimension_numbers)
-  for kind, x, contract, fmt in (("lhs", lhs, lhs_contract, "lhs_format"),
-                                 ("rhs", rhs, rhs_contract, "rhs_format")):
+def _measured_forward(lhs, rhs, products, measurement, index, dtype):
+  reference = products.product(lhs, rhs, None)
+  for kind, x, contract, fmt in products.operands(lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(x, getattr(r, fmt), contract, r)
                                    for i, r in enumerate(measurement.recipes)})
   measurement.emit(index, "forward", {
-      i: relative_error(scaled_dot(lhs, rhs, dimension_numbers, r.lhs_format, r.rhs_format, r),
-                        reference) for i, r in enumerate(measurement.recipes)})
+      i: relative_error(products.product(lhs, rhs, r), reference)
+      for i, r in enumerate(measurement.recipes)})
   return reference.astype(dtype), (lhs, rhs)
 
 
-def _measured_dot_backward(dimension_numbers, measurement, index, dtype, residuals, g):
+def _measured_backward(products, measurement, index, dtype, residuals, g):
   lhs, rhs = residuals
-  for kind, of in (("gradient for lhs", _gradient_of_lhs), ("gradient for rhs", _gradient_of_rhs)):
-    contract = of(dimension_numbers, lhs.ndim, rhs.ndim).dimension_numbers[0][0]
+  for kind, contract in products.incoming(g, lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(g, r.grad_format, contract, r)
                                    for i, r in enumerate(measurement.recipes)})
-  references = _gradients(plain_dot, g, lhs, rhs, dimension_numbers, (None,) * 3, None)
+  references = products.gradients(g, lhs, rhs, None)
   lhs_errors, rhs_errors = {}, {}
   for i, r in enumerate(measurement.recipes):
-    lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(r), r)
+    lhs_bar, rhs_bar = products.gradients(g, lhs, rhs, r)
     lhs_errors[i] = relative_error(lhs_bar, references[0])
     rhs_errors[i] = relative_error(rhs_bar, references[1])
   measurement.emit(index, "lhs gradient", lhs_errors)
@@ -458,4 +711,4 @@ def _measured_dot_backward(dimension_numbers, measurement, index, dtype, residua
   return references[0].astype(lhs.dtype), references[1].astype(rhs.dtype)
 
 
-_measured_dot.defvjp(_measured_dot_forward, _measured_dot_backward)
+_measured.defvjp(_measured_forward, _measured_backward)

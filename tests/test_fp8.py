@@ -40,14 +40,14 @@ def relative_error(approximate, reference):
   return np.linalg.norm(approximate - reference) / np.linalg.norm(reference)
 
 
-def float8_dots(program):
-  """`(lhs dtype, rhs dtype, preferred_element_type)` of every `dot_general` with float8
-  operands in `program` and the programs inside it."""
+def float8_dots(program, primitive="dot_general"):
+  """`(lhs dtype, rhs dtype, preferred_element_type)` of every `primitive` (a
+  `dot_general`) with float8 operands in `program` and the programs inside it."""
   found = []
   for eqn in internals.equations(program):
     for inner in internals.programs(eqn):
-      found += float8_dots(inner)
-    if internals.primitive_name(eqn) == "dot_general":
+      found += float8_dots(inner, primitive)
+    if internals.primitive_name(eqn) == primitive:
       lhs, rhs = map(internals.dtype_of, internals.operands(eqn))
       if lhs.itemsize == 1:
         found.append((lhs, rhs, np.dtype(eqn.params["preferred_element_type"])))
@@ -454,3 +454,212 @@ def test_probes_measure_an_fp8_loss_and_leave_its_value_and_gradients_unchanged(
   program = jax.make_jaxpr(jls.scaled_value_and_grad(f, argnums=(0, 1), probes=True))(
       state, X, W)
   assert len(float8_dots(program)) == 3
+
+
+# --- convolutions, by opt-in ---------------------------------------------------------------
+
+CONV_X = jax.random.normal(KEYS[0], (8, 16, 16, 32))  # NHWC
+CONV_W = jax.random.normal(KEYS[1], (3, 3, 32, 64)) / 10  # HWIO
+CONVOLUTIONS = {name: jls.Float8Recipe.from_name(name, convolutions=True) for name in RECIPES}
+
+
+def conv(x, w, strides=(1, 1), **kwargs):
+  return lax.conv_general_dilated(x, w, strides, "SAME",
+                                  dimension_numbers=("NHWC", "HWIO", "NHWC"), **kwargs)
+
+
+def conv_loss(x, w, strides=(1, 1)):
+  out = conv(x, w, strides)
+  return jnp.sum(out * jax.random.normal(KEYS[2], out.shape))
+
+
+def float8_convs(fun, *args):
+  """`float8_dots` of the convolutions of `fun`'s gradient with respect to `args`."""
+  program = jax.make_jaxpr(jax.grad(fun, argnums=tuple(range(len(args)))))(*args)
+  return sorted(float8_dots(program, "conv_general_dilated"), key=str)
+
+
+def test_without_the_opt_in_a_convolution_stays_in_compute_dtype():
+  f = jls.autocast(conv_loss, jnp.bfloat16, fp8="tensorwise")
+  assert float8_convs(f, CONV_X, CONV_W) == []
+  summary = jls.precision_summary(f, CONV_X, CONV_W)
+  assert summary.count("conv_general_dilated", BF16) == 1
+  assert summary.count("conv_general_dilated", BF16, backward=True) == 2
+
+
+def test_tensorwise_convolutions_run_e4m3_forward_and_e5m2_in_both_backward_ones():
+  f = jls.autocast(conv_loss, jnp.bfloat16, fp8=CONVOLUTIONS["tensorwise"])
+  assert float8_convs(f, CONV_X, CONV_W) == [(E4M3, E4M3, F32)] + [(E5M2, E5M2, F32)] * 2
+
+
+def test_rowwise_convolutions_run_e4m3_in_all_three_with_float32_results():
+  f = jls.autocast(conv_loss, jnp.bfloat16, fp8=CONVOLUTIONS["rowwise"])
+  assert float8_convs(f, CONV_X, CONV_W) == [(E4M3, E4M3, F32)] * 3
+
+
+def test_precision_summary_shows_the_float8_convolutions_forward_and_backward():
+  f = jls.autocast(conv_loss, jnp.bfloat16, fp8=CONVOLUTIONS["tensorwise"])
+  summary = jls.precision_summary(f, CONV_X, CONV_W)
+  assert summary.count("conv_general_dilated", E4M3) == 1
+  assert summary.count("conv_general_dilated", E5M2, backward=True) == 2
+  assert summary.count("conv_general_dilated", BF16) == 0
+  assert summary.count("conv_general_dilated", BF16, backward=True) == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-6, 1e4])
+def test_the_convolutions_error_is_float8s_at_any_magnitude(recipe, strides, magnitude):
+  x = CONV_X * magnitude
+  out = jax.jit(jls.autocast(conv, jnp.bfloat16, fp8=CONVOLUTIONS[recipe]),
+                static_argnums=2)(x, CONV_W, strides)
+  assert 0.02 < relative_error(out, conv(x, CONV_W, strides)) < 0.05
+
+
+@pytest.mark.parametrize("recipe, limit", [("tensorwise", 0.09), ("rowwise", 0.05)])
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-6, 1e4])
+def test_convolution_gradients_are_within_float8s_error_of_float32s(recipe, limit, strides,
+                                                                    magnitude):
+  # Tensorwise takes both backward operands in e5m2 (JAX's convolution has one operand
+  # dtype): about 0.075, where e5m2 times e4m3 matmuls give 0.06.
+  f = lambda x, w: conv_loss(x, w, strides)
+  x = CONV_X * magnitude
+  expected = grads(f, x, CONV_W)
+  got = grads(jls.autocast(f, jnp.bfloat16, fp8=CONVOLUTIONS[recipe]), x, CONV_W)
+  for g, e in zip(got, expected, strict=True):
+    assert g.dtype == F32
+    assert 0.01 < relative_error(g, e) < limit
+
+
+@pytest.mark.parametrize("shapes", [((8, 16, 16, 24), (3, 3, 24, 64)),
+                                    ((8, 16, 16, 32), (3, 3, 32, 40))], ids=["in=24", "out=40"])
+def test_a_convolution_with_features_not_a_multiple_of_16_stays_in_compute_dtype(shapes):
+  x, w = jnp.ones(shapes[0]), jnp.ones(shapes[1])
+  f = jls.autocast(lambda x, w: jnp.sum(conv(x, w)), jnp.bfloat16,
+                   fp8=CONVOLUTIONS["tensorwise"])
+  assert float8_convs(f, x, w) == []
+  assert jls.precision_summary(f, x, w).count("conv_general_dilated", BF16) == 1
+
+
+def test_a_grouped_convolution_stays_in_compute_dtype():
+  w = CONV_W[:, :, :16]  # two groups of 16 input features
+  f = jls.autocast(lambda x, w: jnp.sum(conv(x, w, feature_group_count=2)), jnp.bfloat16,
+                   fp8=CONVOLUTIONS["tensorwise"])
+  assert float8_convs(f, CONV_X, w) == []
+  assert jls.precision_summary(f, CONV_X, w).count("conv_general_dilated", BF16) == 1
+
+
+def test_filter_fn_is_asked_about_a_convolution_with_its_name_scope_and_shapes():
+  asked = []
+  recipe = jls.Float8Recipe.from_name(
+      "tensorwise", convolutions=True, filter_fn=lambda matmul: asked.append(matmul) or False)
+
+  def scoped(x, w):
+    with jax.named_scope("stem"):
+      return conv_loss(x, w)
+
+  f = jls.autocast(scoped, jnp.bfloat16, fp8=recipe)
+  assert float8_convs(f, CONV_X, CONV_W) == []
+  assert asked[0] == jls.Float8Matmul("stem", (8, 16, 16, 32), (3, 3, 32, 64))
+
+
+def test_beside_an_outlier_batch_element_rowwise_convolutions_keep_the_others_at_float8s_error():
+  x = CONV_X.at[0].multiply(1e5)
+  errors = {recipe: relative_error(jax.jit(jls.autocast(
+      conv, jnp.bfloat16, fp8=CONVOLUTIONS[recipe]))(x, CONV_W)[1:], conv(x, CONV_W)[1:])
+            for recipe in RECIPES}
+  assert errors["rowwise"] < 0.05
+  assert errors["tensorwise"] > 0.2
+
+
+@pytest.mark.parametrize("shapes, layout, strides, padding, lhs_dilation, rhs_dilation", [
+    ((2, 9, 11, 16), ("NHWC", "HWIO", "NHWC"), (2, 3), ((1, 2), (0, 3)), (1, 1), (2, 1)),
+    ((2, 16, 7, 10), ("NCHW", "OIHW", "NCHW"), (1, 2), ((2, 0), (1, 1)), (2, 1), (1, 2)),
+    ((3, 13, 16), ("NWC", "WIO", "NWC"), (3,), ((1, 1),), (1,), (1,)),
+    ((2, 5, 6, 7, 16), ("NDHWC", "DHWIO", "NDHWC"), (1, 2, 2), ((1, 1),) * 3, (1,) * 3, (1,) * 3),
+], ids=["2d-nhwc", "2d-nchw-dilated", "1d", "3d"])
+def test_the_backward_convolutions_give_jaxs_gradients(shapes, layout, strides, padding,
+                                                       lhs_dilation, rhs_dilation):
+  x = jax.random.normal(KEYS[0], shapes)
+  features = shapes[layout[0].index("C")]
+  kernel = {"H": 3, "W": 2, "D": 2, "I": features, "O": 32}
+  w = jax.random.normal(KEYS[1], tuple(kernel[axis] for axis in layout[1]))
+  dimension_numbers = lax.conv_dimension_numbers(x.shape, w.shape, layout)
+  convolution = _fp8.Convolution(strides, padding, lhs_dilation, rhs_dilation, dimension_numbers)
+  out, pullback = jax.vjp(convolution, x, w)
+  g = jax.random.normal(KEYS[2], out.shape)
+  x_bar, w_bar = pullback(g)
+  reversed_w = lax.rev(w, dimension_numbers.rhs_spec[2:])
+  np.testing.assert_array_equal(convolution.of_lhs(x.shape, w.shape, g.shape)(g, reversed_w),
+                                x_bar)
+  np.testing.assert_array_equal(convolution.of_rhs(x.shape, w.shape, g.shape)(x, g), w_bar)
+
+
+def test_fp8_convolutions_in_a_flax_linen_model_give_gradients_close_to_float32s():
+  model = linen.Sequential([linen.Conv(32, (3, 3)), linen.relu, linen.Conv(64, (3, 3),
+                                                                           strides=2)])
+  params = model.init(KEYS[3], CONV_X)
+  f = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
+  recipe = jls.Float8Recipe.from_name("tensorwise", convolutions=True)
+  got = jax.jit(jax.grad(jls.autocast(f, jnp.bfloat16, fp8=recipe)))(params, CONV_X)
+  expected = jax.jit(jax.grad(f))(params, CONV_X)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    assert g.dtype == F32 and np.all(np.isfinite(g))
+    assert relative_error(g, e) < 0.25  # two layers (see assert_fp8_gradients_close)
+  summary = jls.precision_summary(jls.autocast(f, jnp.bfloat16, fp8=recipe), params, CONV_X)
+  assert summary.count("conv_general_dilated", E4M3) == 2
+  assert summary.count("conv_general_dilated", E5M2, backward=True) == 4
+
+
+def test_fp8_convolutions_run_inside_a_scan_under_vmap():
+  w = jax.random.normal(KEYS[3], (3, 3, 32, 32)) / 10
+
+  def f(x, w):
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(conv(h, w)), None), x, None, length=3)
+    return jnp.sum(h)
+
+  xs = jnp.stack([CONV_X[:4], CONV_X[4:] / 3])
+  batched = lambda f: jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(0, None)))
+  got = batched(jls.autocast(f, jnp.bfloat16, fp8=CONVOLUTIONS["rowwise"]))(xs, w)
+  for g, e in zip(got, batched(f)(xs, w), strict=True):
+    assert relative_error(g, e) < 0.25  # three layers (see assert_fp8_gradients_close)
+  summary = jls.precision_summary(jls.autocast(f, jnp.bfloat16, fp8=CONVOLUTIONS["rowwise"]),
+                                  CONV_X, w)
+  assert summary.count("conv_general_dilated", E4M3) == 1  # the loop body's, once
+  assert summary.count("conv_general_dilated", E4M3, backward=True) == 2
+
+
+def test_fp8_convolutions_in_a_flax_nnx_model_train_as_float32_does():
+  def train(fp8):  # losses of 5 SGD steps
+    model = nnx.Conv(32, 64, (3, 3), use_bias=False, rngs=nnx.Rngs(0))
+    f = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
+    f = f if fp8 is None else jls.autocast(f, jnp.bfloat16, fp8=fp8)
+    losses = []
+    for _ in range(5):
+      value, g = nnx.value_and_grad(f)(model, CONV_X)
+      nnx.update(model, jax.tree.map(lambda p, g: p - 3.0 * g, nnx.state(model, nnx.Param), g))
+      losses.append(float(value))
+    return losses
+
+  expected, got = train(None), train(CONVOLUTIONS["tensorwise"])
+  assert got[-1] < 0.75 * got[0]
+  np.testing.assert_allclose(got, expected, rtol=0.01)
+
+
+def test_a_convolutions_opt_in_that_is_not_a_bool_is_refused_naming_it():
+  with pytest.raises(TypeError, match="`convolutions`.*'yes'"):
+    jls.Float8Recipe(convolutions="yes")
+
+
+def test_per_row_convolution_scales_are_divided_out_along_each_convolutions_own_axes():
+  recipe = jls.Float8Recipe("row", grad_format=E4M3, convolutions=True)  # scales not rounded
+  spread = lambda key, n: 10.0 ** jax.random.uniform(key, (n,), minval=-1.0, maxval=1.0)
+  x = CONV_X * spread(KEYS[0], 8)[:, None, None, None] * spread(KEYS[1], 32)
+  w = CONV_W * spread(KEYS[2], 64)
+  c = jax.random.normal(KEYS[3], (8, 16, 16, 64)) * spread(KEYS[1], 8)[:, None, None, None]
+  f = lambda x, w: jnp.sum(conv(x, w) * c * spread(KEYS[0], 64))
+  assert relative_error(jls.autocast(conv, jnp.bfloat16, fp8=recipe)(x, w), conv(x, w)) < 0.05
+  for got, want in zip(grads(jls.autocast(f, jnp.bfloat16, fp8=recipe), x, w), grads(f, x, w),
+                       strict=True):
+    assert relative_error(got, want) < 0.05

@@ -126,3 +126,75 @@ def test_the_report_prints_one_line_per_tensor(report):
 def test_a_bad_argument_is_refused_naming_it(kwargs, shown):
   with pytest.raises(ValueError, match=shown):
     jls.diagnostics.fp8_readiness(loss, X, W, **kwargs)
+
+
+# Convolutions: batch elements 0-1 of the images are 1e-4 of the rest; output features 0-3
+# of the gradient 1e-5.
+IMAGES = jax.random.normal(KEYS[0], (4, 8, 8, 32)).at[:2].multiply(1e-4)  # NHWC
+KERNEL = jax.random.normal(KEYS[1], (3, 3, 32, 16)) / 10  # HWIO
+CONV_C = jax.random.normal(KEYS[2], (4, 8, 8, 16)).at[..., :4].multiply(1e-5)
+
+
+def conv(x, w):
+  return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def conv_loss(x, w):
+  return jnp.sum(conv(x, w) * CONV_C)
+
+
+@pytest.fixture(scope="module")
+def conv_report():
+  return jls.diagnostics.fp8_readiness(conv_loss, IMAGES, KERNEL, convolutions=True)
+
+
+def test_convolutions_are_measured_only_when_asked(conv_report):
+  assert jls.diagnostics.fp8_readiness(conv_loss, IMAGES, KERNEL).rows == ()
+  assert [(r.matmul, r.tensor) for r in conv_report.rows] == [
+      (0, "lhs"), (0, "rhs"), (0, "gradient for lhs"), (0, "gradient for rhs")]
+  assert (conv_report.rows[0].lhs_shape, conv_report.rows[0].rhs_shape) == (
+      IMAGES.shape, KERNEL.shape)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("tensor, values, axis, which", [
+    ("lhs", IMAGES, (1, 2, 3), 0), ("rhs", KERNEL, (0, 1, 2), 0),
+    ("gradient for lhs", CONV_C, (1, 2, 3), 1), ("gradient for rhs", CONV_C, (0, 1, 2), 1)])
+def test_a_convolutions_counts_equal_a_brute_force_recount(conv_report, recipe, tensor, values,
+                                                           axis, which):
+  # Per row: per batch element of the images and of the gradient for the images' gradient,
+  # per output feature of the kernel and of the gradient for the kernel's.
+  found = row(conv_report, tensor)
+  rowwise = recipe == "rowwise"
+  flushed, saturated = recount(bfloat16(values), LARGEST[recipe][which],
+                               axis if rowwise else None, rowwise)
+  assert (found.flushed[recipe], found.saturated[recipe]) == (flushed, saturated)
+  assert found.amax == float(np.max(np.abs(bfloat16(values))))
+
+
+def test_a_convolutions_forward_error_is_the_float8_convolutions_against_compute_dtypes(
+    conv_report):
+  x, w = bfloat16(IMAGES), bfloat16(KERNEL)
+
+  def dequantize(v):
+    factor = np.float32(448 * (1 - 2**-20)) / np.max(np.abs(v))
+    return (v * factor).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / factor
+
+  approximate, reference = np.asarray(conv(dequantize(x), dequantize(w))), np.asarray(conv(x, w))
+  rows = np.linalg.norm(approximate - reference, axis=-1) / np.linalg.norm(reference, axis=-1)
+  expected = np.sqrt(np.mean(rows ** 2))
+  np.testing.assert_allclose(row(conv_report, "lhs").error["tensorwise"], expected, rtol=1e-3)
+
+
+def test_rowwise_is_recommended_for_a_convolution_beside_an_outlier_image_tensorwise_elsewhere():
+  outlier = jls.diagnostics.fp8_readiness(conv_loss, IMAGES.at[3].multiply(1e5), KERNEL,
+                                          convolutions=True)
+  plain = jls.diagnostics.fp8_readiness(conv_loss, IMAGES.at[:2].multiply(1e4), KERNEL,
+                                        convolutions=True)
+  assert outlier.recommended() == {0: "rowwise"}
+  assert plain.recommended() == {0: "tensorwise"}
+
+
+def test_a_convolutions_opt_in_that_is_not_a_bool_is_refused():
+  with pytest.raises(TypeError, match="`convolutions`.*1"):
+    jls.diagnostics.fp8_readiness(conv_loss, IMAGES, KERNEL, convolutions=1)
