@@ -211,8 +211,10 @@ def _convolution(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, 
   does not take it."""
   if op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1:
     return None
-  convolution = Convolution.of(op)
   measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
+  if not measured.convolutions:  # the default: nothing read, the convolution as it is
+    return None
+  convolution = Convolution.of(op)
   if not measured.runs_convolution(described, convolution):
     return None
   lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
@@ -519,7 +521,6 @@ class Convolution(NamedTuple):
                        self.lhs_dilation, self.window_strides,
                        lax.ConvDimensionNumbers(_swapped(lhs_spec), _swapped(out_spec),
                                                 _swapped(rhs_spec)))
-
 
   def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
     """The forward convolution in float32: in float8 under `recipe`, exact for None."""

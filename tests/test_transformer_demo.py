@@ -196,7 +196,7 @@ def test_the_float8_runs_train_to_the_bfloat16_runs_held_out_loss(demo_run, reci
                                                ("rowwise", jnp.float8_e4m3fn)])
 def test_the_float8_runs_step_computes_its_matmuls_in_float8_but_the_vocabulary_head(
     data, tokens, recipe, gradient):
-  model = transformer.TransformerLM(TINY, data.vocab, transformer.AUTOCAST, nnx.Rngs(0))
+  model = transformer.TransformerLM(TINY, data.vocab, transformer.BFLOAT16, nnx.Rngs(0))
   summary = jls.precision_summary(jls.autocast(transformer.loss_fn, jnp.bfloat16, fp8=recipe),
                                   model, tokens)
   # The scanned block's program, counted once: qkv, out, up, down and attention's two
@@ -206,6 +206,18 @@ def test_the_float8_runs_step_computes_its_matmuls_in_float8_but_the_vocabulary_
   # The head's vocabulary (data.vocab, not a multiple of 16) keeps it in bfloat16.
   assert data.vocab % 16 and summary.count("dot_general", jnp.bfloat16) == 1
   assert summary.count("exp", jnp.bfloat16) == summary.count("exp", jnp.bfloat16, True) == 0
+
+
+def test_the_float8_runs_are_planned_and_stepped_with_their_recipe(data, tokens):
+  precision = {name: policy for name, policy, _ in transformer.plan()}
+  for recipe in ("tensorwise", "rowwise"):
+    policy = precision[f"float8 {recipe}, autocast (bfloat16)"]
+    assert (policy.compute_dtype, policy.fp8) == (jnp.dtype(jnp.bfloat16), recipe)
+    graphdef, state = transformer.init(TINY, data.vocab, policy, jls.NoOpLossScale(), seed=0)
+    step = transformer.make_step(graphdef, False, policy.compute_dtype, policy.fp8)
+    assert "f8_e4m3fn" in str(jax.make_jaxpr(step)(state, tokens))
+  plain = transformer.make_step(graphdef, False, jnp.bfloat16)
+  assert "f8_" not in str(jax.make_jaxpr(plain)(state, tokens))
 
 
 def test_the_notebook_runs_top_to_bottom(demo_run):
