@@ -192,16 +192,56 @@ def test_a_residual_added_to_a_matmuls_result_takes_the_wider_dtype():
   assert ran["add"] == {F32}
 
 
+@jax.custom_jvp
+def bias_summed_in_float32(bias, like):
+  """`bias` broadcast to `like`'s shape and cast to its dtype, its gradient (the sum over
+  the rows) summed in float32: the hand-cast model that sums its bias gradients as
+  autocast does."""
+  return jnp.broadcast_to(bias, like.shape).astype(like.dtype)
+
+
+bias_summed_in_float32.defjvp(lambda primals, tangents: (
+    bias_summed_in_float32(*primals),
+    jnp.broadcast_to(tangents[0].astype(jnp.float32), primals[1].shape).astype(
+        primals[1].dtype)))
+
+
 @pytest.mark.parametrize("activation", [jnp.tanh, jax.nn.relu], ids=["tanh", "relu"])
 def test_a_biased_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models(activation):
+  # Two hand-cast models: flax's float16 `Dense`, which sums its bias gradients in float16
+  # (losing precision past 2,048 rows, the tests above and below), and the same layer
+  # summing them in float32, as autocast does. Which of the two XLA:CPU gives fewer
+  # temporaries depends on the activation and on XLA's version (jax 0.10.2: the float16
+  # sums, by 10% for tanh; jax 0.12: equal for tanh, the float16 sums for relu); autocast
+  # costs no more than the one that computes what it computes, or than flax's.
+  class Dense(linen.Module):
+    width: int
+    dtype: object = None
+
+    @linen.compact
+    def __call__(self, x):
+      kernel = self.param("kernel", linen.initializers.lecun_normal(), (x.shape[-1], self.width))
+      bias = self.param("bias", linen.initializers.zeros, (self.width,))
+      if self.dtype is None:  # as written for autocast: float32, no casts
+        return x @ kernel + bias
+      y = x.astype(self.dtype) @ kernel.astype(self.dtype)
+      return y + bias_summed_in_float32(bias, y)
+
+  class FlaxMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      for width in (512, 512, 512):
+        x = activation(linen.Dense(width, dtype=jnp.float16)(x))
+      return linen.Dense(1, dtype=jnp.float16)(x)
+
   class MLP(linen.Module):
     dtype: object = None
 
     @linen.compact
     def __call__(self, x):
       for width in (512, 512, 512):
-        x = activation(linen.Dense(width, dtype=self.dtype)(x))
-      return linen.Dense(1, dtype=self.dtype)(x)
+        x = activation(Dense(width, dtype=self.dtype)(x))
+      return Dense(1, dtype=self.dtype)(x)
 
   x = jax.random.normal(KEYS[0], (1024, 64))
   variables = MLP().init(KEYS[1], x)
@@ -211,8 +251,9 @@ def test_a_biased_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models(
     step = jax.jit(jax.value_and_grad(loss)).lower(variables, x).compile()
     return step.memory_analysis().temp_size_in_bytes
 
-  hand_cast = temporaries(MLP(jnp.float16), lambda f: f)
-  assert temporaries(MLP(), jls.autocast) <= 1.02 * hand_cast
+  summing_alike = temporaries(MLP(jnp.float16), lambda f: f)
+  flax_float16 = temporaries(FlaxMLP(), lambda f: f)
+  assert temporaries(MLP(), jls.autocast) <= 1.02 * max(summing_alike, flax_float16)
 
 
 def test_a_bfloat16_convolutions_bias_gradient_is_summed_in_float32():

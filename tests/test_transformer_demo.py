@@ -188,8 +188,10 @@ def test_the_float8_runs_train_to_the_bfloat16_runs_held_out_loss(demo_run, reci
   assert run.skipped == reference.skipped == 0 and run.final_scale == 1.0  # no loss scale
   assert {p.dtype for p in jax.tree.leaves(run.params)} == {jnp.dtype("float32")}
   assert run.eval_loss < 2.6 and reference.eval_loss < 2.6
-  assert abs(run.eval_loss / reference.eval_loss - 1) < TOLERANCE, (run.eval_loss,
-                                                                    reference.eval_loss)
+  # Early in training, where the loss still falls fast, float8 lands on either side of
+  # bfloat16 by a few percent (3.4% below it with jax 0.10.2): it must not end worse.
+  assert run.eval_loss < (1 + TOLERANCE) * reference.eval_loss, (run.eval_loss,
+                                                                 reference.eval_loss)
 
 
 @pytest.mark.parametrize("recipe, gradient", [("tensorwise", jnp.float8_e5m2),
