@@ -189,40 +189,34 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax
     return None
   lhs, rhs = operands
   described = Float8Matmul(op.name_scope, tuple(lhs.shape), tuple(rhs.shape))
+  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
   if op.name == "conv_general_dilated":
-    return _convolution(recipe, op, described, lhs, rhs, compute_dtype)
+    if (op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1
+        or not measured.convolutions):  # grouped, or not opted in: read no further
+      return None
+    convolution = Convolution.of(op)
+    if not measured.runs_convolution(described, convolution):
+      return None
+    float8 = lambda lhs, rhs: _float8_conv(lhs, rhs, convolution, recipe, compute_dtype)
+    return _run(recipe, op, described, lhs, rhs, convolution, float8, compute_dtype)
   if op.name != "dot_general":
     return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
-  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
   if not measured.runs(described, dimension_numbers):
     return None
+  float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
+  return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype)
+
+
+def _run(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
+         product: Any, float8: Callable, compute_dtype: np.dtype) -> jax.Array:
+  """`float8(lhs, rhs)` on the operands in `compute_dtype`, in `op`'s scope; measured
+  instead for a readiness report (`product`: a `Dot` or `Convolution`)."""
   lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
   with op.in_scope():
     if isinstance(recipe, Measurement):
-      index = recipe.add(described)
-      return _measured(lhs, rhs, Dot(dimension_numbers), recipe, index, compute_dtype)
-    return _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
-
-
-def _convolution(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
-                 compute_dtype: np.dtype) -> jax.Array | None:
-  """The convolution `op` in float8, as `matmul`; None where it is grouped or the recipe
-  does not take it."""
-  if op.param("feature_group_count") != 1 or op.param("batch_group_count") != 1:
-    return None
-  measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
-  if not measured.convolutions:  # the default: nothing read, the convolution as it is
-    return None
-  convolution = Convolution.of(op)
-  if not measured.runs_convolution(described, convolution):
-    return None
-  lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
-  with op.in_scope():
-    if isinstance(recipe, Measurement):
-      index = recipe.add(described)
-      return _measured(lhs, rhs, convolution, recipe, index, compute_dtype)
-    return _float8_conv(lhs, rhs, convolution, recipe, compute_dtype)
+      return _measured(lhs, rhs, product, recipe, recipe.add(described), compute_dtype)
+    return float8(lhs, rhs)
 
 
 def _is_floating(x: Any) -> bool:
