@@ -28,12 +28,20 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
   dtype, as PyTorch's `linear` adds its bias; its derivative broadcasts in float32, so
   that the sum over the rows that differentiates it runs in float32, as does that of any
   value an `add` or `sub` in float16 or bfloat16 broadcasts (`_bind_summing_in_float32`).
+- **Activation functions** (`ACTIVATIONS`: `jax.nn.gelu`, `silu`, `mish`, `elu`,
+  `celu`, whose value never exceeds their operand's magnitude by more than a constant) on
+  a float16 or bfloat16 value run as one operation, as PyTorch's fused `F.gelu` and
+  `F.silu` do: in float32 inside (GELU's `x ** 3` included), the result rounded to the
+  operand's dtype, and computed again from the operand by the backward pass, which keeps
+  only the operand.
 - **Everything else** runs at the widest floating dtype of its operands (Python scalars
   and the program's scalar constants do not widen), PyTorch's type promotion for ops on no list:
   adding a float32 residual to a float16 matmul's result gives float32. A constant whose
   value does not keep its magnitude in that dtype (`x / 1e5`, `x + 1e-8` in float16:
   overflowing, or below its normal range) widens it to the constant's dtype, whether a
-  literal, a `jnp.float32(...)` scalar or a closed-over array.
+  literal, a `jnp.float32(...)` scalar or a closed-over array; and so are the elementwise
+  operations that compute its operand from the last matmul (`jnp.maximum(x @ w, 0.0)` in
+  `log(maximum(x @ w, 0) + 1e-8)`), so that their derivatives run in float32 too.
 - **Explicit casts** (`astype`, `convert_element_type`) run as written. Integers,
   booleans and keys are never cast; float64 and 8-bit floats are not cast either (they
   are deliberate), only float32, float16 and bfloat16: an operation on them runs as traced.
@@ -104,6 +112,21 @@ AS_TRACED = frozenset({
     "select_and_scatter", "pure_callback", "io_callback", "debug_callback",
     "custom_linear_solve",
 })
+
+# Activation functions whose value never exceeds their operand's magnitude by more than a
+# constant, so that it always fits the operand's dtype: each runs as one operation, in
+# float32 inside and its result in its operand's dtype, as PyTorch's fused activations
+# (`F.gelu`, `F.silu`) run under its autocast (`jax.nn.gelu` is traced inline, the others
+# are jitted functions of these names).
+ACTIVATIONS = frozenset({"gelu", "silu", "mish", "elu", "celu"})
+
+# Elementwise operations through which a constant that widens an operation reaches back to
+# where its operand was computed (`log(max(x @ w, 0) + 1e-8)`: the `max` runs in float32
+# too, so that its derivative masks the float32 gradient of the `log`).
+_CARRIES_FLOAT32 = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "select_n", "clamp",
+    "copy", "copy_p", "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
+    "rev"})
 
 # Sums whose derivative with respect to a broadcast operand (a bias) is a sum over the rows.
 _BIAS_LIKE = frozenset({"add", "sub"})
@@ -233,11 +256,25 @@ class _Interpreter:
 
   def run_program(self, program: Any, args: list) -> list:
     """`program` on `args` (of its input types), its outputs cast to its output types."""
-    outs = internals.evaluate(program, args, self.run)
+    outs = self._evaluate(program, args)
     return [_cast(out, kind.dtype) for out, kind in zip(
         outs, internals.output_types(program), strict=True)]
 
-  def run(self, op: internals.Operation, operands: list) -> list:
+  def _evaluate(self, program: Any, args: list) -> list:
+    """`program` on `args` of any dtypes, its outputs of the dtypes they come out in."""
+    ops = internals.operations(program)
+    run = functools.partial(self.run, wide=_widened_by_constants(ops, self.compute_dtype))
+    return internals.evaluate(program, args, run, ops)
+
+  def run(self, op: internals.Operation | internals.Call, operands: list,
+          wide: frozenset = frozenset()) -> list:
+    """`op`'s results on `operands`, run at the precision chosen for it; `wide`: the
+    operations that run in float32 for a constant that a later one reads."""
+    if isinstance(op, internals.Call) or (
+        op.retypable and op.param("name") in ACTIVATIONS and len(operands) == 1):
+      outs = self._activation(op, operands, functools.partial(self.run, wide=wide))
+      if outs is not None:
+        return outs
     name = op.name
     if _KEPT_SCOPES.intersection(op.scopes):  # an inner autocast to float32 chose already
       return op.bind(_as_traced(op, operands))
@@ -266,7 +303,32 @@ class _Interpreter:
                       for x in operands])
     if op.multiple_results:  # each result its operand's own (a barrier, a sort)
       return op.bind(operands)
+    if op in wide:
+      operands = [_cast(x, np.dtype(jnp.float32)) if _castable(x) else x for x in operands]
     return _bind_summing_in_float32(op, operands, _widest(op, operands))
+
+  def _activation(self, op: internals.Operation | internals.Call, operands: list,
+                  run: Callable) -> list | None:
+    """An activation function (`ACTIVATIONS`) on a float16 or bfloat16 operand, as one
+    operation: computed in float32, its result rounded to the operand's dtype, and
+    computed again from the operand by the backward pass (`jax.checkpoint`), so that what
+    the backward pass keeps is the operand alone; None where it cannot run so."""
+    (x,) = operands
+    if isinstance(op, internals.Call):
+      inner = lambda args: op.evaluate(args, run)
+    else:
+      inner = lambda args: op.bind_rewritten(args, self._evaluate, retyped=True)
+    if not (_castable(x) and _numerics.is_narrow(_dtype(x))):
+      return inner(operands)
+    dtype = _dtype(x)
+
+    def activation(x):
+      outs = inner([_cast(x, np.dtype(jnp.float32))])
+      return None if outs is None else [_cast(y, dtype) if _castable(y) else y for y in outs]
+
+    if jax.eval_shape(activation, x) is None:
+      return None
+    return jax.checkpoint(activation)(x)
 
   def _matmul(self, op: internals.Operation, operands: list) -> list:
     floating = [x for x in operands if _is_floating(x)]
@@ -286,10 +348,6 @@ class _Interpreter:
     if traced != {target} and preferred is not None and jnp.issubdtype(preferred, jnp.floating):
       params["preferred_element_type"] = target  # a result in `target`, as PyTorch's
     return op.bind([_cast(x, target) if _is_floating(x) else x for x in operands], **params)
-
-  def _evaluate(self, program: Any, args: list) -> list:
-    """`program` on `args` of any dtypes, its outputs of the dtypes they come out in."""
-    return internals.evaluate(program, args, self.run)
 
   def _custom_jvp(self, op: internals.Operation, operands: list) -> list:
     """A `custom_jvp` function (`jax.nn.relu`) on its operands as they are, autocast like
@@ -387,6 +445,35 @@ def _widest(op: internals.Operation, operands: list) -> list:
     if traced != target and constant is not None and not _keeps_magnitude(constant, target):
       target = jnp.promote_types(target, traced)
   return [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+def _widened_by_constants(ops: list, dtype: np.dtype) -> frozenset:
+  """The elementwise operations of a program (`_CARRIES_FLOAT32`) that run in float32
+  because a constant whose magnitude `dtype` does not keep widens them (`x + 1e-8` in
+  float16), or widens an operation that reads their result through such operations only:
+  the float32 reaches back to the matmul whose result they compute on, so that the
+  backward pass runs in float32 there too (the derivative of a `max` masking the `log`'s
+  1e8 before it is rounded to float16)."""
+  if not _numerics.is_narrow(dtype):
+    return frozenset()
+  flat = [o for op in ops for o in (op.operations if isinstance(op, internals.Call) else [op])]
+  wide = set()
+  for op in reversed(flat):
+    if op.name in _CARRIES_FLOAT32 and (
+        any(user in wide for user, _ in op.users)
+        or any(_widening_constant(origin.constant, dtype) for origin in op.origins)):
+      wide.add(op)
+  return frozenset(wide)
+
+
+def _widening_constant(constant: Any, dtype: np.dtype) -> bool:
+  """Whether `constant` (an operand's `Origin.constant`, or None) is a floating constant
+  wider than `dtype` whose magnitude `dtype` does not keep."""
+  if constant is None:
+    return False
+  kind = np.asarray(constant).dtype
+  return (kind in _CASTABLE and jnp.promote_types(kind, dtype) != dtype
+          and not _keeps_magnitude(constant, dtype))
 
 
 def _bind_summing_in_float32(op: internals.Operation, operands: list, cast: list) -> list:

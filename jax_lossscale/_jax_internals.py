@@ -35,6 +35,12 @@ What is read, and why:
   and arguments in JAX's errors (`with_names`: `jax.api_util.debug_info`, read by JAX's
   tracing through the function's `__fun_debug_info__`, which only the private
   `save_wrapped_fun_debug_info` sets).
+- `operations`, `Operation.users`, `Call`: a program's operations with the later ones that
+  read each result, and each call of a function of `jax.nn` that JAX traces inline
+  (`INLINED`: `jax.nn.gelu`, no named `jit` around it from jax 0.10 to 0.12) as one
+  `Call`, found by that function's frame in its operations' tracebacks
+  (`source_info.traceback.frames`); where JAX keeps no traceback, its operations run one
+  by one.
 - `Source`, `Operation.source`, `Operation.scopes`, `Operation.name_scope`: where an
   operation was written: its name scopes (`source_info_util`'s name stack, private, read
   in one place, `_scopes`) and the user's line (`source_info_util`'s frames).
@@ -341,8 +347,21 @@ def _scopes(eqn: Equation | None = None) -> tuple[str, ...]:
     degraded("jax._src.source_info_util", _NO_SOURCE_INFO)
     return ()
   stack = _source_info.current_name_stack() if eqn is None else eqn.source_info.name_stack
-  return tuple(part.name for part in getattr(stack, "stack", ())
-               if isinstance(part, _source_info.Scope))
+  segments = [[]]  # the scopes between transformations' marks that follow a scope
+  for part in getattr(stack, "stack", ()):
+    if isinstance(part, _source_info.Scope) and part.name != _RECOMPUTED:
+      segments[-1].append(part.name)
+    elif not isinstance(part, _source_info.Scope) and segments[-1]:
+      segments.append([])
+  scopes = []
+  for segment in segments:  # a checkpoint's derivative repeats the scopes it was bound in
+    if segment != scopes[-len(segment):]:
+      scopes.extend(segment)
+  return tuple(scopes)
+
+
+# The name scope JAX gives the operations a checkpoint computes again in the backward pass.
+_RECOMPUTED = "rematted_computation"
 
 
 def _source_of(eqn: Equation) -> Any:
@@ -358,6 +377,13 @@ def _source_of(eqn: Equation) -> Any:
   stack.enter_context(_source_info.user_context(eqn.source_info.traceback, name_stack=scope))
   stack.enter_context(eqn.ctx.manager)
   return stack
+
+
+def _located_at(eqn: Equation) -> contextlib.AbstractContextManager:
+  """Binds with `eqn`'s traceback, in the name scope of the code around."""
+  if _source_info is None:
+    return contextlib.nullcontext()
+  return _source_info.user_context(eqn.source_info.traceback)
 
 
 # Operations that only move or repeat the elements of their first operand: `Origin` looks
@@ -406,7 +432,11 @@ def _source(eqn: Equation, outer: Source = Source()) -> Source:
   function's or a loop body's equations are scoped relative to the operation that holds
   them, and located at its line where JAX recorded none of the user's, as in a jitted
   `jnp` function)."""
-  scope = "/".join(filter(None, (outer.scope, *_scopes(eqn))))
+  inner = _scopes(eqn)
+  outer_parts = tuple(filter(None, outer.scope.split("/")))
+  if inner[:len(outer_parts)] == outer_parts:  # a checkpoint's program: scoped as a whole
+    outer_parts = ()
+  scope = "/".join((*outer_parts, *inner))
   frames = ([] if _source_info is None
             else list(_source_info.user_frames(eqn.source_info.traceback)))
   frame = next((f for f in frames if not _installed(f.file_name)), frames[0] if frames else None)
@@ -521,33 +551,164 @@ def _constants(program: Program) -> list:
   return list(getattr(program, "consts", None) or [])
 
 
-def evaluate(program: Program, args: list, run: Callable[[Operation, list], list]) -> list:
-  """`program`'s outputs on `args`, each operation computed by `run(operation, operands)`,
-  which returns its results (a list, one per result)."""
+def evaluate(program: Program, args: list, run: Callable[[Any, list], list],
+             ops: Sequence[Operation | Call] | None = None) -> list:
+  """`program`'s outputs on `args`, each of its `operations` (or `ops`, made by it) computed
+  by `run(operation, operands)`, which returns its results (a list, one per result); a
+  `Call` is run as one operation (its `evaluate` runs its own)."""
   jaxpr = jaxpr_of(program)
+  ops = operations(program) if ops is None else ops
   env = dict(zip(jaxpr.constvars, _constants(program), strict=True))
-  origins = {v: Origin(constant=value) for v, value in env.items() if not is_tracer(value)}
   env.update(zip(jaxpr.invars, args, strict=True))
   read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]
-  origin = lambda atom: (Origin(constant=atom.val) if isinstance(atom, _core.Literal)
-                         else origins.get(atom, Origin()))
   last_use = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.invars
               if not isinstance(v, _core.Literal)}
   last_use.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
-  for i, eqn in enumerate(jaxpr.eqns):
+  done = 0
+  for op in ops:
+    if isinstance(op, Call):  # in the call's name scope, as its operations are
+      with _source_of(op.operations[0].eqn):
+        outs = run(op, [read(v) for v in op.invars])
+    else:
+      with _source_of(op.eqn):  # what `run` binds, its casts included, is located at `eqn`
+        outs = run(op, [read(v) for v in op.eqn.invars])
+    env.update(zip(op.outvars, outs, strict=True))
+    for eqn in op.equations:  # a value no later operation reads is let go (eager arrays)
+      for v in eqn.invars:
+        if not isinstance(v, _core.Literal) and last_use.get(v, -1) <= done:
+          env.pop(v, None)
+      done += 1
+  return [read(v) for v in jaxpr.outvars]
+
+
+def operations(program: Program) -> list[Operation | Call]:
+  """`program`'s equations as `Operation`s, in order, each knowing where its operands come
+  from (`origin`) and which later operations read its results (`users`); the operations of
+  one call of a function that JAX traced inline (`INLINED`: `jax.nn.gelu`) are one `Call`,
+  where that call reads one value and returns one."""
+  jaxpr = jaxpr_of(program)
+  origins = {v: Origin(constant=value) for v, value in zip(
+      jaxpr.constvars, _constants(program), strict=True) if not is_tracer(value)}
+  origin = lambda atom: (Origin(constant=atom.val) if isinstance(atom, _core.Literal)
+                         else origins.get(atom, Origin()))
+  made, producer = [], {}
+  for eqn in jaxpr.eqns:
     sources = tuple(map(origin, eqn.invars))
-    with _source_of(eqn):  # what `run` binds, its casts included, is located at `eqn`
-      outs = run(Operation(eqn, sources), [read(v) for v in eqn.invars])
-    env.update(zip(eqn.outvars, outs, strict=True))
+    op = Operation(eqn, sources)
+    for i, v in enumerate(eqn.invars):
+      if not isinstance(v, _core.Literal) and v in producer:
+        producer[v].users.append((op, i))
+    producer.update((v, op) for v in eqn.outvars)
+    made.append(op)
     name = eqn.primitive.name
     rearranged = sources and (name in _REARRANGING or (
         name == "convert_element_type" and sources[0].constant is not None))
-    made = sources[0] if rearranged else Origin(name)
-    origins.update((v, made) for v in eqn.outvars)
-    for v in eqn.invars:  # a value no later operation reads is let go (eager arrays)
-      if not isinstance(v, _core.Literal) and last_use.get(v) == i:
-        env.pop(v, None)
-  return [read(v) for v in jaxpr.outvars]
+    result = sources[0] if rearranged else Origin(name)
+    origins.update((v, result) for v in eqn.outvars)
+  return _calls(made, {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
+
+
+# Functions of `jax.nn` that JAX traces inline, with no named `jit` around them (jax 0.10 to
+# 0.12): their operations are found by the function's frame in each one's traceback.
+INLINED = frozenset({"gelu"})
+_NN_FILE = ("_src", "nn", "functions.py")
+# An operation one of them always makes (`x ** 3`, or `erfc` where exact): only around
+# those are tracebacks read.
+_INLINED_MARKS = frozenset({"integer_pow", "erfc"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+  """One call of a function that JAX traced inline (`INLINED`), its operations together.
+
+  Attributes:
+    function: the function's name (`"gelu"`).
+    operations: its operations, in order.
+    invars: the one value it reads from the program around it.
+    outvars: the one value it returns to it.
+  """
+  function: str
+  operations: tuple[Operation, ...]
+  invars: tuple[Any, ...]
+  outvars: tuple[Any, ...]
+
+  @property
+  def name(self) -> str:
+    return self.function
+
+  @property
+  def equations(self) -> list[Equation]:
+    return [op.eqn for op in self.operations]
+
+  @property
+  def source(self) -> Source:
+    return self.operations[0].source
+
+  def evaluate(self, args: list, run: Callable[[Any, list], list]) -> list:
+    """Its result on `args`, each of its operations computed by `run`, as `evaluate`."""
+    env = dict(zip(self.invars, args, strict=True))
+    read = lambda atom: atom.val if isinstance(atom, _core.Literal) else env[atom]
+    for op in self.operations:  # each at its line, in the call's name scope (`evaluate`'s)
+      with _located_at(op.eqn):
+        env.update(zip(op.eqn.outvars, run(op, [read(v) for v in op.eqn.invars]), strict=True))
+    return [env[v] for v in self.outvars]
+
+
+def _calls(ops: list[Operation], outvars: set) -> list[Operation | Call]:
+  """`ops`, each call of an `INLINED` function among them as one `Call`: the longest run of
+  operations around one it always makes whose tracebacks hold the same call of it (the
+  same frames outside it); left as they are where the call reads or returns more than one
+  value."""
+  out, i = [], 0
+  while i < len(ops):
+    key = _inlined_call(ops[i].eqn) if ops[i].name in _INLINED_MARKS else None
+    if key is None:
+      out.append(ops[i])
+      i += 1
+      continue
+    start, end = i, i + 1
+    while (i - start < len(out) and out[-(i - start) - 1] is ops[start - 1]
+           and _inlined_call(ops[start - 1].eqn) == key):  # not in an earlier call
+      start -= 1
+    while end < len(ops) and _inlined_call(ops[end].eqn) == key:
+      end += 1
+    call = _call(key[0], ops[start:end], outvars)
+    if call is None:
+      out.append(ops[i])
+      i += 1
+      continue
+    del out[len(out) - (i - start):]
+    out.append(call)
+    i = end
+  return out
+
+
+def _call(function: str, ops: list[Operation], outvars: set) -> Call | None:
+  made = {v for op in ops for v in op.eqn.outvars}
+  read = list(dict.fromkeys(v for op in ops for v in op.eqn.invars
+                            if not isinstance(v, _core.Literal) and v not in made))
+  inside = set(map(id, ops))
+  returned = [v for op in ops for v in op.eqn.outvars
+              if v in outvars or any(id(user) not in inside for user, _ in op.users_of(v))]
+  if len(read) != 1 or len(returned) != 1:
+    return None
+  return Call(function, tuple(ops), tuple(read), tuple(returned))
+
+
+def _inlined_call(eqn: Equation) -> tuple | None:
+  """`(function, the frames outside it)` of the `INLINED` function whose call made `eqn`,
+  or None (also where JAX keeps no traceback)."""
+  traceback = getattr(eqn.source_info, "traceback", None)
+  frames = list(getattr(traceback, "frames", None) or ())
+  for k, frame in enumerate(frames):
+    if frame.function_name in INLINED and _nn_file(frame.file_name):
+      return frame.function_name, tuple((f.file_name, f.line_num) for f in frames[k + 1:])
+  return None
+
+
+@functools.cache
+def _nn_file(file: str) -> bool:
+  return pathlib.PurePath(file).parts[-3:] == _NN_FILE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -558,9 +719,12 @@ class Operation:
     eqn: its equation.
     origins: where each operand comes from in the program it is part of (`Origin()`, of
       unknown origin, where it was not given).
+    users: the later operations of its program that read its results, each with the
+      position it reads one at (`operations` fills it in).
   """
   eqn: Equation
   origins: tuple[Origin, ...] = ()
+  users: list = dataclasses.field(default_factory=list, repr=False)
 
   def origin(self, i: int) -> Origin:
     """Where its operand `i` comes from."""
@@ -569,6 +733,19 @@ class Operation:
   @property
   def name(self) -> str:
     return self.eqn.primitive.name
+
+  @property
+  def equations(self) -> list[Equation]:
+    return [self.eqn]
+
+  @property
+  def outvars(self) -> list[Any]:
+    return list(self.eqn.outvars)
+
+  def users_of(self, result: Any) -> list[tuple[Operation, int]]:
+    """The later operations of its program that read `result` (one of its results), each
+    with the position it reads it at."""
+    return [(user, i) for user, i in self.users if user.eqn.invars[i] is result]
 
   @property
   def inputs(self) -> tuple[ValueType, ...]:

@@ -322,6 +322,24 @@ def test_the_summary_locates_operations_in_their_name_scope_inside_sub_programs(
         "encoder/dense"}
 
 
+def test_an_activation_and_a_checkpoint_are_located_in_their_name_scope_once_and_at_its_line():
+  def model(w, x):
+    with jax.named_scope("mlp"):
+      h = jax.nn.gelu(x @ w)  # the activation
+      return jnp.sum(jax.checkpoint(lambda h: jnp.sin(h) * h)(h))
+
+  ran = summary(jls.autocast(model), W, X)
+  line = line_of(model, "# the activation")
+  for primitive in ("integer_pow", "tanh", "sin", "convert_element_type"):
+    for dtype in ("float16", "float32"):
+      for backward in (False, True):
+        assert {loc.scope for loc in ran.locations(primitive, dtype, backward)} <= {"mlp"}
+  assert {(loc.file, loc.line) for backward in (False, True)
+          for dtype in ("float16", "float32")
+          for loc in ran.locations("convert_element_type", dtype, backward)} >= {(__file__, line)}
+  assert {loc.line for loc in ran.locations("tanh", "float32", True)} == {line}
+
+
 def test_the_printed_summary_shows_a_few_locations_per_row_and_counts_the_rest():
   def deep(w, x):
     for i in range(jls.PrecisionSummary.SHOWN + 2):

@@ -5,6 +5,8 @@ Values against float32; dtypes on the traced program (`precision_summary`); the 
 of a biased layer against the model cast by hand (XLA's memory analysis).
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,31 @@ def test_a_loss_in_an_inner_float32_autocast_has_float32s_gradients(order):
   grads = jax.jit(grad)(W, X)
   assert bool(jnp.all(jnp.isfinite(grads)))
   np.testing.assert_allclose(grads, jax.grad(hand_cast_log_loss)(W, X), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("order", ["grad of autocast", "autocast of grad"])
+def test_an_epsilon_below_float16s_range_leaves_the_gradients_finite(order):
+  # The max in front of `+ 1e-8` runs in float32 as well, so its derivative masks the
+  # log's 1/1e-8 in float32; in float16 that is inf, and inf times the mask's 0 is NaN.
+  grad = (jax.grad(jls.autocast(log_loss)) if order == "grad of autocast"
+          else jls.autocast(jax.grad(log_loss)))
+  grads = jax.jit(grad)(W, X)
+  assert bool(jnp.all(jnp.isfinite(grads)))
+  np.testing.assert_allclose(grads, jax.grad(hand_cast_log_loss)(W, X), rtol=1e-2, atol=1e-2)
+
+
+def test_the_elementwise_operations_computing_a_widened_operand_run_in_float32():
+  ran = jls.precision_summary(jls.autocast(log_loss), W, X)
+  assert dtypes_of(ran, "dot_general") == dtypes_of(ran, "dot_general", backward=True) == {
+      "float16"}
+  assert dtypes_of(ran, "max") == dtypes_of(ran, "add") == {"float32"}
+
+
+def test_an_operation_whose_result_no_constant_widens_keeps_the_compute_dtype():
+  ran = forward_dtypes(jls.autocast(lambda w, x: jnp.maximum(x @ w, 0.0) * 2.0 + 1e-8), W, X)
+  assert ran["max"] == {F32} and ran["mul"] == {F32}
+  ran = forward_dtypes(jls.autocast(lambda w, x: jnp.maximum(x @ w, 0.0) * 2.0 + 1e-3), W, X)
+  assert ran["max"] == ran["mul"] == ran["add"] == {F16}
 
 
 # --- the linear layer's bias ----------------------------------------------------------
@@ -206,7 +233,8 @@ bias_summed_in_float32.defjvp(lambda primals, tangents: (
         primals[1].dtype)))
 
 
-@pytest.mark.parametrize("activation", [jnp.tanh, jax.nn.relu], ids=["tanh", "relu"])
+@pytest.mark.parametrize("activation", [jnp.tanh, jax.nn.relu, jax.nn.gelu, jax.nn.silu],
+                         ids=["tanh", "relu", "gelu", "silu"])
 def test_a_biased_mlps_temporaries_are_within_2_percent_of_the_hand_cast_models(activation):
   # Two hand-cast models: flax's float16 `Dense`, which sums its bias gradients in float16
   # (losing precision past 2,048 rows, the tests above and below), and the same layer
@@ -276,6 +304,49 @@ def test_a_bias_gradient_summed_in_float32_leaves_forward_mode_working():
   np.testing.assert_allclose(tangent, jax.jvp(lambda b: f(W, b, X), (b,), (jnp.ones_like(b),))[1],
                              atol=3e-3)
   assert forward_dtypes(autocast, W, b, X)["dot_general"] == {F16}
+
+
+# --- activation functions ------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu": jax.nn.gelu,
+    "gelu, exact": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+    "mish": jax.nn.mish,
+    "elu": jax.nn.elu,
+    "celu": jax.nn.celu,
+}
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_an_activation_of_a_float16_value_is_float16_computed_in_float32(name):
+  # As PyTorch's `F.gelu` under its autocast: one operation, float32 inside, its result in
+  # its operand's dtype, so that what follows it stays in float16 (the `cos` below).
+  activation = ACTIVATIONS[name]
+  fun = lambda w, x: jnp.cos(activation(x @ w))
+  ran = forward_dtypes(jls.autocast(fun), W, X)
+  assert ran["dot_general"] == ran["cos"] == {F16}
+  assert {F32} == set().union(*(ran.get(p, set()) for p in (
+      "integer_pow", "tanh", "erfc", "logistic", "expm1", "exp", "log1p")))
+  np.testing.assert_allclose(jax.jit(jls.autocast(fun))(W, X), fun(W, X), atol=5e-3)
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_an_activation_in_float16_is_differentiated_in_float32(name):
+  # Large pre-activations: GELU's float16 formula overflows `x ** 3` and its derivative
+  # `3 x ** 2` (inf times tanh's 0 derivative is NaN); computed in float32 it does not.
+  activation = ACTIVATIONS[name]
+  loss = lambda w, x: jnp.mean(activation(x @ w) ** 2)
+  big = X * 100.0
+  grads = jax.jit(jax.grad(jls.autocast(loss)))(W, big)
+  assert bool(jnp.all(jnp.isfinite(grads)))
+  exact = jax.grad(loss)(W, big)
+  assert jnp.linalg.norm(grads - exact) / jnp.linalg.norm(exact) < 1e-2
+
+
+def test_an_activation_of_a_float32_value_runs_as_written():
+  fun = lambda x: jax.nn.gelu(x) * 3.0
+  assert forward_dtypes(jls.autocast(fun), X) == forward_dtypes(fun, X)
 
 
 # --- 8-bit floats ---------------------------------------------------------------------

@@ -162,6 +162,43 @@ def test_an_operation_tells_where_its_operands_come_from_through_reshapes():
   assert seen["dot_general"].origin(0) == internals.Origin()  # an input
 
 
+def test_an_operation_tells_which_later_operations_read_its_results():
+  def f(x):
+    s = jnp.sin(x)
+    return s * jnp.cos(x) + s
+
+  program, _ = internals.trace(f, [jnp.ones(3)])
+  sin, cos, mul, add = internals.operations(program)
+  assert [(user.name, i) for user, i in sin.users] == [("mul", 0), ("add", 1)]
+  assert [(user.name, i) for user, i in mul.users] == [("add", 0)] and add.users == []
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_a_call_of_jax_nn_gelu_is_one_call_found_by_its_traceback(approximate):
+  # `jax.nn.gelu` is traced inline (no named jit): its operations are found by the frame
+  # of `gelu` in `jax/_src/nn/functions.py` in their tracebacks, one call per call site.
+  fun = lambda x: jnp.sin(jax.nn.gelu(jax.nn.gelu(x, approximate), approximate) +
+                          jax.nn.gelu(x, approximate))
+  program, _ = internals.trace(fun, [jnp.ones(3)])
+  ops = internals.operations(program)
+  calls = [op for op in ops if isinstance(op, internals.Call)]
+  assert [op.name for op in ops] == ["gelu", "gelu", "add", "sin"]  # the nested call: one
+  assert all(call.function == "gelu" and len(call.invars) == len(call.outvars) == 1
+             for call in calls)
+  outs = internals.evaluate(program, [jnp.linspace(-3.0, 3.0, 3)], lambda op, xs: (
+      op.evaluate(xs, lambda o, ys: o.bind(ys)) if isinstance(op, internals.Call)
+      else op.bind(xs)))
+  np.testing.assert_allclose(outs[0], fun(jnp.linspace(-3.0, 3.0, 3)), rtol=1e-6)
+
+
+def test_the_activation_functions_autocast_runs_as_one_operation_are_jitted_by_those_names():
+  from jax_lossscale import _autocast
+  for name in _autocast.ACTIVATIONS - internals.INLINED:
+    program, _ = internals.trace(getattr(jax.nn, name), [jnp.ones(3)])
+    (op,) = internals.operations(program)
+    assert op.retypable and op.param("name") == name
+
+
 def test_an_operation_tells_its_name_scopes_also_once_differentiated():
   def f(x):
     with jax.named_scope("outer"), jax.named_scope("inner"):
