@@ -270,14 +270,17 @@ class _Interpreter:
           wide: frozenset = frozenset()) -> list:
     """`op`'s results on `operands`, run at the precision chosen for it; `wide`: the
     operations that run in float32 for a constant that a later one reads."""
-    if isinstance(op, internals.Call) or (
-        op.retypable and op.param("name") in ACTIVATIONS and len(operands) == 1):
-      outs = self._activation(op, operands, functools.partial(self.run, wide=wide))
+    run = functools.partial(self.run, wide=wide)
+    kept = _KEPT_SCOPES.intersection(op.scopes)  # an inner autocast to float32 chose already
+    if isinstance(op, internals.Call):
+      return op.evaluate(operands, run) if kept else self._activation(op, operands, run)
+    if kept:
+      return op.bind(_as_traced(op, operands))
+    if op.retypable and op.param("name") in ACTIVATIONS and len(operands) == 1:
+      outs = self._activation(op, operands, run)
       if outs is not None:
         return outs
     name = op.name
-    if _KEPT_SCOPES.intersection(op.scopes):  # an inner autocast to float32 chose already
-      return op.bind(_as_traced(op, operands))
     if name == "convert_element_type":
       return op.bind(operands)
     if name in AS_TRACED:  # a scatter's or reduction's combiner is a program, typed as traced
@@ -326,7 +329,7 @@ class _Interpreter:
       outs = inner([_cast(x, np.dtype(jnp.float32))])
       return None if outs is None else [_cast(y, dtype) if _castable(y) else y for y in outs]
 
-    if jax.eval_shape(activation, x) is None:
+    if not isinstance(op, internals.Call) and jax.eval_shape(activation, x) is None:
       return None
     return jax.checkpoint(activation)(x)
 

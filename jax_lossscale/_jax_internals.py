@@ -644,6 +644,11 @@ class Call:
   def source(self) -> Source:
     return self.operations[0].source
 
+  @property
+  def scopes(self) -> tuple[str, ...]:
+    """The name scopes it was called in (its first operation's)."""
+    return self.operations[0].scopes
+
   def evaluate(self, args: list, run: Callable[[Any, list], list]) -> list:
     """Its result on `args`, each of its operations computed by `run`, as `evaluate`."""
     env = dict(zip(self.invars, args, strict=True))

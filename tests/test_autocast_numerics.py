@@ -344,6 +344,16 @@ def test_an_activation_in_float16_is_differentiated_in_float32(name):
   assert jnp.linalg.norm(grads - exact) / jnp.linalg.norm(exact) < 1e-2
 
 
+def test_an_activation_inside_an_inner_float32_autocast_stays_float32():
+  inside = lambda h: jnp.cos(jax.nn.gelu(h) + jax.nn.silu(h))
+  part = jls.autocast(inside, jnp.float32)
+  fun = jls.autocast(lambda w, x: part(x @ w))
+  ran = forward_dtypes(fun, W, X)
+  assert ran["dot_general"] == {F16} and ran["cos"] == ran["add"] == {F32}
+  h = (X.astype(jnp.float16) @ W.astype(jnp.float16)).astype(jnp.float32)
+  np.testing.assert_allclose(jax.jit(fun)(W, X), jax.jit(inside)(h), rtol=1e-6, atol=1e-6)
+
+
 def test_an_activation_of_a_float32_value_runs_as_written():
   fun = lambda x: jax.nn.gelu(x) * 3.0
   assert forward_dtypes(jls.autocast(fun), X) == forward_dtypes(fun, X)
