@@ -270,14 +270,14 @@ class _Interpreter:
           wide: frozenset = frozenset()) -> list:
     """`op`'s results on `operands`, run at the precision chosen for it; `wide`: the
     operations that run in float32 for a constant that a later one reads."""
-    run = functools.partial(self.run, wide=wide)
     kept = _KEPT_SCOPES.intersection(op.scopes)  # an inner autocast to float32 chose already
     if isinstance(op, internals.Call):
+      run = functools.partial(self.run, wide=wide)
       return op.evaluate(operands, run) if kept else self._activation(op, operands, run)
     if kept:
       return op.bind(_as_traced(op, operands))
     if op.retypable and op.param("name") in ACTIVATIONS and len(operands) == 1:
-      outs = self._activation(op, operands, run)
+      outs = self._activation(op, operands, None)
       if outs is not None:
         return outs
     name = op.name
@@ -311,11 +311,12 @@ class _Interpreter:
     return _bind_summing_in_float32(op, operands, _widest(op, operands))
 
   def _activation(self, op: internals.Operation | internals.Call, operands: list,
-                  run: Callable) -> list | None:
+                  run: Callable | None) -> list | None:
     """An activation function (`ACTIVATIONS`) on a float16 or bfloat16 operand, as one
     operation: computed in float32, its result rounded to the operand's dtype, and
     computed again from the operand by the backward pass (`jax.checkpoint`), so that what
-    the backward pass keeps is the operand alone; None where it cannot run so."""
+    the backward pass keeps is the operand alone; None where it cannot run so (a jitted
+    one whose program cannot be traced again). `run` runs a `Call`'s operations."""
     (x,) = operands
     if isinstance(op, internals.Call):
       inner = lambda args: op.evaluate(args, run)
@@ -329,9 +330,7 @@ class _Interpreter:
       outs = inner([_cast(x, np.dtype(jnp.float32))])
       return None if outs is None else [_cast(y, dtype) if _castable(y) else y for y in outs]
 
-    if not isinstance(op, internals.Call) and jax.eval_shape(activation, x) is None:
-      return None
-    return jax.checkpoint(activation)(x)
+    return jax.checkpoint(activation)(x)  # None where `activation` gives None
 
   def _matmul(self, op: internals.Operation, operands: list) -> list:
     floating = [x for x in operands if _is_floating(x)]
