@@ -1,6 +1,6 @@
 """float8 matmuls under `autocast(..., fp8=recipe)`: error, compile time, and (on a GPU) speed.
 
-Three tables:
+Four tables:
 
 - **error**: the relative error against float32 of an M x K by K x N matmul of N(0, 1)
   values (and of the same values times 1e-6 and 1e4, and with one row 1e5 times the
@@ -9,7 +9,10 @@ Three tables:
   demo's model under `autocast(..., bfloat16)` and under each recipe, and its ratio to
   bfloat16's: the bare step (loss, gradient and Adam) and the demo's own step (the one its
   bfloat16 and float8 runs compile: `loss_scaling` around Adam with clipping, and the
-  logged metrics);
+  logged metrics), split into tracing and lowering (Python) and XLA's compilation;
+- **kernels**: XLA's compile time of a program of `--kernels` kernels of one kind (a
+  row's amax; a scaling multiply and cast to float8; the same cast to bfloat16), each on
+  an operand of its own shape: which of the steps a float8 matmul adds costs compile time;
 - **layer** (`--layer`): one M x K by K x N layer forward and backward, jitted, in
   bfloat16 and in each recipe, timed; and whether the compiled program calls cuBLASLt's
   float8 GEMM (`__cublas$lt$matmul$f8` in its HLO). XLA:CPU runs float8 matmuls as
@@ -86,10 +89,11 @@ def showcase_step(fp8, config: transformer.Config, vocab: int):
   return step, (state, jnp.zeros((config.batch, config.context + 1), jnp.int32))
 
 
-def compile_seconds(fp8, config: transformer.Config, vocab: int, showcase: bool = False) -> float:
-  """The process's CPU seconds (all its threads; less disturbed than wall time by other
-  processes on a shared machine) to trace, lower and compile the bare step, or the demo's
-  own (`showcase`)."""
+def compile_seconds(fp8, config: transformer.Config, vocab: int,
+                    showcase: bool = False) -> tuple[float, float]:
+  """`(trace and lower seconds, XLA compile seconds)` of the bare step, or of the demo's own
+  (`showcase`), in the process's CPU seconds (all its threads; less disturbed than wall
+  time by other processes on a shared machine)."""
   if showcase:
     step, args = showcase_step(fp8, config, vocab)
   else:
@@ -97,8 +101,34 @@ def compile_seconds(fp8, config: transformer.Config, vocab: int, showcase: bool 
     step = jax.jit(step)
   jax.clear_caches()
   start = time.process_time()
-  step.lower(*args).compile()
-  return time.process_time() - start
+  lowered = step.lower(*args)
+  traced = time.process_time()
+  lowered.compile()
+  return traced - start, time.process_time() - traced
+
+
+def kernel_seconds(count: int) -> dict[str, float]:
+  """XLA compile seconds (CPU time) of one program of `count` kernels of one kind, each on
+  its own operand of a distinct shape (XLA compiles identical kernels once): what a
+  float8 matmul adds per operand and per row-scaled operand, taken apart."""
+  shapes = [(1024, 64 + 16 * i) for i in range(count)]
+  factors = [jnp.full((shape[0], 1), 2.0**-3) for shape in shapes]
+  kinds = {
+      "amax along rows": lambda xs, fs: [jnp.max(jnp.abs(x), axis=1) for x in xs],
+      "scale, cast to e4m3": lambda xs, fs: [(x * f).astype(jnp.float8_e4m3fn)
+                                             for x, f in zip(xs, fs, strict=True)],
+      "scale, cast to bfloat16": lambda xs, fs: [(x * f).astype(jnp.bfloat16)
+                                                 for x, f in zip(xs, fs, strict=True)],
+  }
+  xs = [jnp.ones(shape, jnp.bfloat16) for shape in shapes]
+  seconds = {}
+  for name, kernels in kinds.items():
+    jax.clear_caches()
+    lowered = jax.jit(kernels).lower(xs, factors)
+    start = time.process_time()
+    lowered.compile()
+    seconds[name] = time.process_time() - start
+  return seconds
 
 
 def layer(m: int, k: int, n: int, reps: int) -> dict[str, tuple[float, bool]]:
@@ -131,6 +161,8 @@ def main(argv=None) -> None:
   parser.add_argument("--width", type=int, default=64)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--layer", type=int, nargs=3, default=None)
+  parser.add_argument("--kernels", type=int, default=40,
+                      help="how many kernels of each kind the kernel table compiles (0: none)")
   args = parser.parse_args(argv)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {platform.processor()}")
 
@@ -153,10 +185,19 @@ def main(argv=None) -> None:
       for recipe in (None, *RECIPES):
         seconds[recipe or "bfloat16"].append(
             compile_seconds(recipe, config, vocab if showcase else 96, showcase))
-    base = statistics.median(seconds["bfloat16"])
-    for name, values in seconds.items():
-      median = statistics.median(values)
-      print(f"{name:<12}{median:8.2f} s  {median / base:5.2f}x")
+    base = statistics.median(sum(pair) for pair in seconds["bfloat16"])
+    for name, pairs in seconds.items():
+      median = statistics.median(sum(pair) for pair in pairs)
+      lowering = statistics.median(pair[0] for pair in pairs)
+      xla = statistics.median(pair[1] for pair in pairs)
+      print(f"{name:<12}{median:8.2f} s  {median / base:5.2f}x   trace and lower {lowering:5.2f} s,"
+            f" XLA {xla:5.2f} s")
+
+  if args.kernels:
+    print(f"\nXLA compile time (CPU seconds) of {args.kernels} kernels of one kind, on bfloat16"
+          f" operands of 1024 rows, each of its own width")
+    for name, value in kernel_seconds(args.kernels).items():
+      print(f"{name:<26}{value:7.3f} s  {1e3 * value / args.kernels:6.1f} ms per kernel")
 
   if args.layer:
     m, k, n = args.layer
