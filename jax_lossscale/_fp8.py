@@ -150,9 +150,12 @@ def _float8_format(value: Any, argument: str) -> np.dtype:
     dtype = np.dtype(value)
   except TypeError:
     dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize != 1:
-    raise ValueError(f"`{argument}` must be a float8 format (jnp.float8_e4m3fn, "
-                     f"jnp.float8_e5m2), got {value!r}.")
+  # Signed 8-bit formats with a mantissa only: float4_e2m1fn is stored in a byte too (XLA
+  # refuses its casts), float8_e8m0fnu (an MX scale format) has no sign, no zero.
+  if (dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize != 1
+      or jnp.finfo(dtype).bits != 8 or not float(jnp.finfo(dtype).min) < 0):
+    raise ValueError(f"`{argument}` must be a signed float8 format (jnp.float8_e4m3fn, "
+                     f"jnp.float8_e5m2, ...), got {value!r}.")
   return dtype
 
 
@@ -254,11 +257,25 @@ def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> 
   return x * factor, factor
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def to_float8(values: jax.Array, fmt: np.dtype) -> jax.Array:
   """`scaled` values cast to `fmt`: none is past its largest value (`scale` sees to it),
   and inf and NaN stay non-finite (e4m3 has no inf: they become NaN), so an overflow is
-  still seen."""
+  still seen. Not differentiable: JAX's rule would cast tangents and cotangents to float8
+  unscaled (flushed to zero or NaN), which second-order differentiation through a float8
+  matmul's backward pass would meet."""
   return values.astype(fmt)
+
+
+@to_float8.defjvp
+def _to_float8_jvp(fmt, primals, tangents):
+  raise NotImplementedError(
+      "a float8 matmul of `autocast(..., fp8=...)` cannot be differentiated twice "
+      "(jax.hessian, Hessian-vector products, a gradient of a gradient, jax.jvp of its "
+      "gradient): its float8 casts would take the tangents unscaled. Put the inner "
+      "`jax.grad` inside the autocast function (`autocast(lambda w: penalty(jax.grad(f)"
+      "(w)), ...)`), whose backward matmuls then run as forward ones, or use `fp8=None` "
+      "for that part.")
 
 
 class Quantized(NamedTuple):
@@ -316,8 +333,11 @@ def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension
   out = lax.dot_general(lhs.values, rhs.values, dimension_numbers, preferred_element_type=_F32)
   lhs_free = len(_others(lhs.ndim, lhs_contract, lhs_batch))
   rhs_free = len(_others(rhs.ndim, rhs_contract, rhs_batch))
-  out = out / _output_scale(lhs.factor, lhs_batch, lhs_contract, True, rhs_free)
-  return out / _output_scale(rhs.factor, rhs_batch, rhs_contract, False, lhs_free)
+  # The larger scale first: `out / lhs_scale` alone is the true product times the rhs
+  # scale, which overflows float32 for a finite product of an operand beyond ~1e35.
+  lhs_scale = _output_scale(lhs.factor, lhs_batch, lhs_contract, True, rhs_free)
+  rhs_scale = _output_scale(rhs.factor, rhs_batch, rhs_contract, False, lhs_free)
+  return out / jnp.maximum(lhs_scale, rhs_scale) / jnp.minimum(lhs_scale, rhs_scale)
 
 
 def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any) -> jax.Array:

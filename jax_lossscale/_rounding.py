@@ -83,7 +83,9 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
     if rounding == "compensated":  # the buffer holds what the last write rounded away
       exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
       written = exact.astype(p.dtype)
-      new_buffers.append((exact - written.astype(jnp.float32)).astype(c.dtype))
+      # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
+      residual = jnp.where(jnp.isfinite(written), exact - written.astype(jnp.float32), 0)
+      new_buffers.append(residual.astype(c.dtype))
     else:
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
       written = stochastic(exact, p, counter, _PARAMS, index)
@@ -100,8 +102,9 @@ def load_state(inner_state: Any, state_dtype: np.dtype | None, rounding: str) ->
   """
   if state_dtype is None and rounding == "nearest":
     return inner_state
-  return jax.tree.map(lambda x: x.astype(jnp.float32) if _kept(x) and is_narrow(x) else x,
-                      inner_state)
+  # Scalars too: a 0-d parameter's moments (a learned temperature) are moments.
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if _trees.is_array(x) and is_narrow(x)
+                      else x, inner_state)
 
 
 def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, rounding: str,
@@ -109,19 +112,28 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   """The inner state as it is kept: its floating arrays of one dimension or more (moments,
   momentum, accumulated gradients) in `state_dtype`, or, without one, in the dtypes of
   `like` (the state before the step) where those are narrower than float32. Written
-  stochastically with `rounding="stochastic"`, else to nearest (a compensation buffer for
-  the state would cost what wider moments cost). Scalars (injected hyperparameters) keep
-  their dtype. `like=None`: `init`'s state, written to nearest."""
+  stochastically wherever there is a `counter` (every `rounding` but a plain "nearest"
+  with no `state_dtype`), whatever the parameters' `rounding`: a compensation buffer for
+  the state would cost what wider moments cost, and to nearest a slow moving average
+  would stop moving. Scalars (injected hyperparameters) keep their dtype, computed in
+  float32 where narrow. `like=None`: `init`'s state, written to nearest."""
   if state_dtype is None and (rounding == "nearest" or like is None):
     return inner_state
+  # Written to nearest, a moment kept in bfloat16 never moves by less than half a spacing:
+  # Adam's nu (b2=0.999, a relative change of 0.001 < 2**-9) would never decay. Every
+  # narrow write is stochastic where the state has a counter.
+  del rounding
   leaves, treedef = jax.tree.flatten(inner_state)
   olds = [None] * len(leaves) if like is None else treedef.flatten_up_to(like)
   stored = []
   for index, (x, old) in enumerate(zip(leaves, olds, strict=True)):
-    dtype = state_dtype if state_dtype is not None else (
-        old.dtype if old is not None and _kept(old) and is_narrow(old) else None)
-    if _kept(x) and dtype is not None and x.dtype != dtype:
-      if rounding == "stochastic" and _numerics.is_narrow(dtype):
+    if _kept(x):
+      dtype = state_dtype if state_dtype is not None else (
+          old.dtype if old is not None and is_narrow(old) else None)
+    else:  # scalars keep their dtype (widened by `load_state` if narrow)
+      dtype = old.dtype if old is not None and _trees.is_array(old) and is_narrow(old) else None
+    if _trees.is_array(x) and _trees.is_float(x) and dtype is not None and x.dtype != dtype:
+      if counter is not None and _numerics.is_narrow(dtype):
         x = stochastic(x.astype(jnp.float32), x if old is None else old, counter, _STATE,
                        index, dtype)
       else:

@@ -86,9 +86,9 @@ class LossScalingState(NamedTuple):
     compensation: with `loss_scaling(..., rounding="compensated")`, the compensation
       buffers: for each parameter narrower than float32 an array of its dtype and shape
       holding what the last write rounded away (`None` for the other leaves); else None.
-    rounding_counter: with `loss_scaling(..., rounding="stochastic")`, a uint32 scalar,
-      the applied steps counted for the stochastic rounding's bits (a skipped step leaves
-      it as it was); else None.
+    rounding_counter: with `loss_scaling(..., rounding="stochastic")` or `"compensated"`,
+      or a `state_dtype` narrower than float32, a uint32 scalar: the applied steps counted
+      for the stochastic rounding's bits (a skipped step leaves it as it was); else None.
 
   A checkpoint written before the counts had names, or by another configuration, restores
   with `restore_state`.
@@ -640,16 +640,19 @@ def loss_scaling(
       parameter's dtype, in the state, keeps what the write rounded away and adds it
       back at the next step). With either, the optimizer's state kept in the parameters'
       dtype is computed in float32 too (in bfloat16, Adam's decay 0.999 is 1.0) and
-      written back in it. float32 parameters are written as they are. `update`
-      returns updates, which `optax.apply_updates` would round to nearest: with
-      `"stochastic"` or `"compensated"` it refuses parameters narrower than float32
-      (and `params=None`); use `apply_gradients`. See docs/bfloat16.md.
+      written back in it stochastically (to nearest, a moving average whose change is
+      below half a spacing, Adam's `nu` decaying by 0.001, would never move). float32
+      parameters are written as they are. `update` returns updates, which
+      `optax.apply_updates` would round to nearest: with `"stochastic"` or
+      `"compensated"` it refuses parameters narrower than float32 (and `params=None`);
+      use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
       momentum; not scalars such as injected hyperparameters, nor integer counts) are
       kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step;
-      its new state is written with `rounding="stochastic"` stochastically, else to
-      nearest. None (the default) keeps the optimizer's own dtypes.
+      its new state is written back stochastically, whatever `rounding` (to nearest, a
+      moment's decay below half a spacing would be lost). None (the default) keeps the
+      optimizer's own dtypes.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
@@ -700,6 +703,10 @@ class _Step:
     self._inner = optax.with_extra_args_support(inner)
     self.axis_name, self.max_norm, self.norm = axis_name, max_norm, norm
     self.rounding, self.state_dtype = rounding, state_dtype
+    # A counter for stochastic writes: of the parameters, and of any state kept narrower
+    # than float32 (nearest would freeze slow moving averages such as Adam's nu).
+    self.counted = rounding != "nearest" or (
+        state_dtype is not None and _numerics.is_narrow(state_dtype))
     self._eager_step = _eager.CompiledBySignature(self._traced_step)
 
   def init(self, params) -> LossScalingState:
@@ -728,8 +735,7 @@ class _Step:
         last_loss_scale=jnp.array(self.initial()),
         grad_norm=jnp.full([], jnp.nan, jnp.float32) if self.norm else None,
         compensation=compensation,
-        rounding_counter=(jnp.zeros([], jnp.uint32) if self.rounding == "stochastic"
-                          else None))
+        rounding_counter=jnp.zeros([], jnp.uint32) if self.counted else None)
 
   def __call__(self, updates, state, params=None, *args, loss=None, probes=None,
                **extra_args):
@@ -822,8 +828,9 @@ class _Step:
           + " the gradients' norm (grad_norm=True), this one "
           + ("does" if self.norm else "does not")
           + ": pass tx.wrap_state(state.inner_state) to keep the optimizer's state.")
-    for field, rounding in (("compensation", "compensated"), ("rounding_counter", "stochastic")):
-      if (getattr(state, field) is not None) != (self.rounding == rounding):
+    for field, expected in (("compensation", self.rounding == "compensated"),
+                            ("rounding_counter", self.counted)):
+      if (getattr(state, field) is not None) != expected:
         raise ValueError(
             f"`state` belongs to a loss_scaling with another `rounding` (its `{field}` is "
             f"{'set' if getattr(state, field) is not None else 'None'}), this one has "

@@ -377,6 +377,32 @@ def test_a_format_that_is_not_float8_is_refused_naming_it(argument):
     jls.Float8Recipe(**{argument: jnp.bfloat16})
 
 
+@pytest.mark.parametrize("name", ["float8_e8m0fnu", "float4_e2m1fn"])
+def test_a_byte_sized_format_that_is_not_a_signed_float8_is_refused(name):
+  # e8m0 (an MX scale format) has no sign and no zero: every product would be NaN.
+  with pytest.raises(ValueError, match=f"`lhs_format`.*signed float8.*{name}"):
+    jls.Float8Recipe(lhs_format=getattr(jnp, name))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_second_derivative_through_a_float8_matmul_is_refused_not_wrong(recipe):
+  # JAX's own rule would cast the tangents to float8 unscaled: zeros, or NaN.
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
+  grad_of_w = jax.grad(jls.autocast(lambda x, w: jnp.sum(x @ w), jnp.bfloat16, fp8=recipe),
+                       argnums=1)
+  penalty = lambda w: jnp.sum(grad_of_w(x, w) ** 2)
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.grad(penalty)(w)
+
+
+def test_a_finite_product_of_a_huge_operand_stays_finite():
+  x = jnp.full((32, 64), 1e36, jnp.float32).at[0].set(1.0)
+  w = jnp.full((64, 32), 1e-3, jnp.float32)
+  for recipe in ("tensorwise", "rowwise"):
+    out = jax.jit(jls.autocast(lambda x, w: x @ w, jnp.float32, fp8=recipe))(x, w)
+    assert np.all(np.isfinite(out)), recipe
+
+
 def test_an_unknown_granularity_is_refused():
   with pytest.raises(ValueError, match="`granularity`.*'column'"):
     jls.Float8Recipe(granularity="column")

@@ -158,6 +158,53 @@ def test_state_dtype_halves_the_bytes_of_adams_state():
   assert nbytes(half) - 4 == (nbytes(full) - 4) // 2  # the int32 count unchanged
 
 
+def adams_second_moment(dtype, steps=2200, **options):
+  """Adam's mean `nu` after a gradient of 1 for 200 steps, then 0.01: it must decay."""
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), **options)
+  params = {"w": jnp.ones(256, dtype)}
+
+  def step(carry, t):
+    params, state = carry
+    grads = {"w": jnp.full(256, jnp.where(t < 200, 1.0, 0.01), dtype)}
+    return tx.apply_gradients(grads, state, params), None
+
+  (_, state), _ = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(steps))
+  return float(jnp.mean(state.inner_state[0].nu["w"].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dtype, options", [
+    (jnp.float32, {"state_dtype": jnp.bfloat16}),
+    (jnp.bfloat16, {"rounding": "compensated"}),
+    (jnp.bfloat16, {"rounding": "stochastic"}),
+    (jnp.bfloat16, {"rounding": "compensated", "state_dtype": jnp.bfloat16}),
+])
+def test_a_moment_kept_in_bfloat16_decays_as_in_float32(dtype, options):
+  # 0.001 * nu is below half a bfloat16 spacing: written to nearest, nu would stay 8x too
+  # large (0.195 against 0.0246) and Adam's steps 2.8x too small.
+  exact = adams_second_moment(jnp.float32)
+  assert adams_second_moment(dtype, **options) == pytest.approx(exact, rel=0.05)
+
+
+def test_the_moments_of_a_scalar_parameter_are_computed_in_float32():
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding="stochastic")
+  params = {"t": jnp.ones([], jnp.bfloat16), "w": jnp.ones(64, jnp.bfloat16)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  for _ in range(2000):
+    params, state = step(jax.tree.map(jnp.ones_like, params), state, params)
+  exact = 1 - 0.999**2000  # 0.8648: in bfloat16, 0.999 is 1.0 and nu stays at 0.5
+  assert float(state.inner_state[0].nu["t"]) == pytest.approx(exact, rel=0.03)
+
+
+def test_a_compensated_infinite_entry_stays_infinite_and_leaves_no_nan():
+  params = {"b": jnp.array([0.5, -jnp.inf, 0.25], jnp.bfloat16)}  # a masked logit's bias
+  update = {"b": jnp.array([-1e-2, 0.0, 1e-2], jnp.bfloat16)}
+  written, state = sgd_step("compensated", params, update, steps=2)
+  assert float(written["b"][1]) == -np.inf
+  assert np.all(np.isfinite(np.asarray(state.compensation["b"], np.float32)))
+  assert np.all(np.isfinite(np.asarray(written["b"], np.float32)[[0, 2]]))
+
+
 # --- a skipped step never happened ----------------------------------------------------------
 
 
