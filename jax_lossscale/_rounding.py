@@ -82,9 +82,9 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       continue
     if rounding == "compensated":  # the buffer holds what the last write rounded away
       exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
-      written = exact.astype(p.dtype)
+      written, wide = to_nearest(exact, p.dtype)
       # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
-      residual = jnp.where(jnp.isfinite(written), exact - written.astype(jnp.float32), 0)
+      residual = jnp.where(jnp.isfinite(wide), exact - wide, 0)
       new_buffers.append(residual.astype(c.dtype))
     else:
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
@@ -103,8 +103,23 @@ def load_state(inner_state: Any, state_dtype: np.dtype | None, rounding: str) ->
   if state_dtype is None and rounding == "nearest":
     return inner_state
   # Scalars too: a 0-d parameter's moments (a learned temperature) are moments.
+  return _widened(inner_state)
+
+
+def load_grads(grads: Any, state_dtype: np.dtype | None, rounding: str) -> Any:
+  """The gradients as the optimizer computes with them: widened to float32 where
+  `load_state` widens the state. Else optax would take a bfloat16 gradient's
+  `(1 - b1) * g` and `g * g` in bfloat16 (a relative error of up to 2**-9 in each
+  moment's increment), and XLA would keep `g * g` as a bfloat16 array between the
+  loops that read it."""
+  if state_dtype is None and rounding == "nearest":
+    return grads
+  return _widened(grads)
+
+
+def _widened(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(jnp.float32) if _trees.is_array(x) and is_narrow(x)
-                      else x, inner_state)
+                      else x, tree)
 
 
 def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, rounding: str,
@@ -170,6 +185,29 @@ def stochastic(exact: jax.Array, old: jax.Array, counter: jax.Array, salt: int, 
                                                    - near.astype(jnp.float32))
   uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
   return jnp.where(uniform < distance, other, near)
+
+
+def to_nearest(exact: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  """`(rounded, wide)`: `exact` (float32) rounded to the nearest `dtype` value (ties to
+  even, as `exact.astype(dtype)`), and that value in float32.
+
+  For bfloat16 by integer operations on float32's bits: XLA:CPU counts a float32 to
+  bfloat16 convert as expensive and computes no expensive value in two loops, so with a
+  convert the parameter and its compensation buffer (both functions of one float32 sum)
+  would share a float32 temporary of the parameter's size, written and read back at
+  every step (benchmarks/bf16_writes.py). Other dtypes take the convert.
+  """
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    rounded = exact.astype(dtype)
+    return rounded, rounded.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
+  # Half a bfloat16 spacing less one, plus the kept part's last bit, carries into the kept
+  # upper half exactly where rounding to nearest even rounds up (the carry from the
+  # largest finite value makes inf, as the convert does).
+  upper = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+  upper = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), upper)  # a NaN stays one
+  rounded = jax.lax.bitcast_convert_type((upper >> 16).astype(jnp.uint16), jnp.bfloat16)
+  return rounded, jax.lax.bitcast_convert_type(upper, jnp.float32)
 
 
 def _positions(shape: tuple[int, ...]) -> jax.Array:

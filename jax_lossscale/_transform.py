@@ -639,7 +639,8 @@ def loss_scaling(
       the exact sum) or `"compensated"` (Kahan summation: a buffer of each such
       parameter's dtype, in the state, keeps what the write rounded away and adds it
       back at the next step). With either, the optimizer's state kept in the parameters'
-      dtype is computed in float32 too (in bfloat16, Adam's decay 0.999 is 1.0) and
+      dtype is computed in float32 too, from float32 gradients (in bfloat16, Adam's decay
+      0.999 is 1.0) and
       written back in it stochastically (to nearest, a moving average whose change is
       below half a spacing, Adam's `nu` decaying by 0.001, would never move). float32
       parameters are written as they are. `update` returns updates, which
@@ -649,7 +650,8 @@ def loss_scaling(
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
       momentum; not scalars such as injected hyperparameters, nor integer counts) are
-      kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step;
+      kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step,
+      narrower gradients widened;
       its new state is written back stochastically, whatever `rounding` (to nearest, a
       moment's decay below half a spacing would be lost). None (the default) keeps the
       optimizer's own dtypes.
@@ -772,7 +774,9 @@ class _Step:
                   else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
       try:
         updates, inner_state = self._inner.update(
-            _trees.rescale_floats(grads, decision.unscaling),
+            _trees.rescale_floats(
+                _rounding.load_grads(grads, self.state_dtype, self.rounding),
+                decision.unscaling),
             _rounding.load_state(state.inner_state, self.state_dtype, self.rounding), arrays,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:

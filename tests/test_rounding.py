@@ -196,6 +196,37 @@ def test_the_moments_of_a_scalar_parameter_are_computed_in_float32():
   assert float(state.inner_state[0].nu["t"]) == pytest.approx(exact, rel=0.03)
 
 
+def test_a_bfloat16_gradient_enters_the_moments_in_float32():
+  # optax would take (1 - b1) * g and g * g in the gradient's dtype: 0.1 * 0.30078125 is
+  # 0.030078125, and in bfloat16 0.030029296875 (1.6e-3 off).
+  tx = jls.loss_scaling(optax.scale_by_adam(), jls.NoOpLossScale(), state_dtype=jnp.float32)
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  grads = {"w": jnp.full(8, 0.3, jnp.bfloat16)}
+  _, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  g = np.float32(grads["w"][0])
+  adam = state.inner_state  # scale_by_adam's own state, not a chain's
+  np.testing.assert_allclose(adam.mu["w"], np.float32(0.1) * g, rtol=1e-6)
+  np.testing.assert_allclose(adam.nu["w"], np.float32(0.001) * (g * g), rtol=1e-6)
+
+
+def test_rounding_to_the_nearest_bfloat16_by_integers_matches_the_convert_bit_for_bit():
+  from jax_lossscale import _rounding
+  bits = np.random.default_rng(0).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
+  special = [0, 0x80000000, 0x00000001, 0x00007FFF, 0x00008000, 0x00018000,  # subnormal ties
+             0x3F808000, 0x3F818000, 0x3F807FFF,  # ties to even, down and up; below a tie
+             0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF,  # to the largest bfloat16, to inf
+             0x7F800000, 0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF]  # inf and NaNs
+  exact = jax.lax.bitcast_convert_type(jnp.asarray(np.append(bits, special), jnp.uint32),
+                                       jnp.float32)
+  rounded, wide = jax.jit(_rounding.to_nearest, static_argnums=1)(exact, jnp.bfloat16)
+  converted = exact.astype(jnp.bfloat16)
+  nan = np.isnan(np.asarray(exact))
+  as_bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+  np.testing.assert_array_equal(as_bits(rounded)[~nan], as_bits(converted)[~nan])
+  assert np.all(np.isnan(np.asarray(rounded, np.float32)[nan]))
+  np.testing.assert_array_equal(np.asarray(wide), np.asarray(rounded, np.float32))
+
+
 def test_a_compensated_infinite_entry_stays_infinite_and_leaves_no_nan():
   params = {"b": jnp.array([0.5, -jnp.inf, 0.25], jnp.bfloat16)}  # a masked logit's bias
   update = {"b": jnp.array([-1e-2, 0.0, 1e-2], jnp.bfloat16)}
