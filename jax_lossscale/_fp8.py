@@ -230,45 +230,73 @@ def _is_floating(x: Any) -> bool:
 # Scaling.
 
 
-def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> jax.Array:
-  """The float32 factor that takes a tensor of largest magnitude `amax` just inside `fmt`'s
-  largest value (by 2**-20, so that rounding never takes it past); 1 where `amax` is 0, not
-  finite (what is scaled stays non-finite, and the next call computes its scale afresh) or
-  so small (below 1e-36) that the factor would overflow float32."""
-  factor = float(jnp.finfo(fmt).max) * (1 - 2**-20) / amax
-  # Finite and positive (NaN fails both): a select, not `jnp.where`, whose own function
-  # and finiteness test XLA:CPU compiles again at every scale (about 5% of a rowwise
-  # step's compile time).
-  usable = (factor > 0) & (factor < np.float32(np.inf))
-  factor = lax.select(usable, factor, jnp.ones_like(factor))
-  if power_of_two:  # its exponent bits alone: rounded down, exactly (XLA's exp2 is not exact)
-    bits = lax.bitcast_convert_type(factor, jnp.int32) & np.int32(0x7F800000)
-    factor = lax.bitcast_convert_type(bits, _F32)
-  return factor
+def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array, jax.Array]:
+  """`(factor, inverse)`: the float32 factor that takes a tensor of largest magnitude `amax`
+  just inside `fmt`'s largest value (by 2**-20, so that rounding never takes it past), and
+  what divides it out of a product (exactly for a power of two, within an ulp otherwise);
+  1 and 1 where `amax` is 0, not finite (what is scaled stays non-finite, and the next
+  call computes its scale afresh) or so small (below about 1e-36) that the factor would
+  overflow float32.
+
+  The inverse is computed from `amax`, not as `1 / factor`: XLA:CPU computes a divide
+  read by two kernels as a kernel of its own, one per scale of every matmul, each compiled
+  apart, and a float8 step's compile time follows its number of kernels
+  (benchmarks/RESULTS.md).
+  """
+  largest = np.float32(float(jnp.finfo(fmt).max) * (1 - 2**-20))
+  if power_of_two:
+    return _power_of_two_scale(amax, largest)
+  one = lax.full_like(amax, 1)
+  factor = lax.div(largest, amax)
+  usable = lax.bitwise_and(lax.gt(factor, np.float32(0)),
+                           lax.lt(factor, np.float32(np.inf)))  # NaN fails both
+  return (lax.select(usable, factor, one),
+          lax.select(usable, lax.mul(amax, np.float32(1) / largest), one))
+
+
+def _power_of_two_scale(amax: jax.Array, largest: np.float32) -> tuple:
+  """`scale` rounded down to a power of two, `2**k` for `k = floor(log2(largest / amax))`,
+  and its inverse `2**-k`, exactly and with no divide: a positive float32 times `2**k` adds
+  `k * 2**23` to its bits, so `k` is the bits' difference, `bits(largest) - bits(amax)`,
+  rounded down to a multiple of `2**23`. At most 126, so that both are normal numbers."""
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  exponent = lax.bitwise_and(lax.sub(largest.view(np.int32), bits),
+                             np.int32(-(2**23)))  # k * 2**23
+  usable = lax.bitwise_and(lax.lt(bits, np.int32(0x7F800000)),  # not 0, inf or NaN
+                           lax.le(exponent, np.int32(126 << 23)))
+  exponent = lax.select(usable, exponent, lax.full_like(exponent, 0))
+  one = np.int32(0x3F800000)  # 1.0's bits
+  return (lax.bitcast_convert_type(lax.add(one, exponent), _F32),
+          lax.bitcast_convert_type(lax.sub(one, exponent), _F32))
 
 
 def scaled(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> tuple:
-  """`(x * scale in float32, scale)`: the scale per tensor, or per row (the amax taken over
-  the contracting axes `contract`), with `x`'s number of dimensions."""
-  x = x.astype(_F32)
-  axes = tuple(range(x.ndim)) if recipe.granularity == "tensor" else tuple(contract)
-  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-  factor = scale(amax, fmt, recipe.power_of_two_scales)
-  return x * factor, factor
+  """`(x * factor in float32, factor, inverse)`: the scale per tensor, or per row (the amax
+  taken over the contracting axes `contract`), with `x`'s number of dimensions."""
+  # lax, not jnp: each jnp function traces a jitted function of its own per shape, and a
+  # rowwise step scales hundreds of operands (a third of its tracing time).
+  x = lax.convert_element_type(x, _F32)
+  axes = tuple(range(x.ndim)) if recipe.granularity == "tensor" else tuple(sorted(contract))
+  kept = [axis for axis in range(x.ndim) if axis not in axes]
+  amax = lax.broadcast_in_dim(lax.reduce_max(lax.abs(x), axes),
+                              [1 if axis in axes else x.shape[axis] for axis in range(x.ndim)],
+                              kept)
+  factor, inverse = scale(amax, fmt, recipe.power_of_two_scales)
+  return lax.mul(x, lax.broadcast_in_dim(factor, x.shape, range(x.ndim))), factor, inverse
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def to_float8(values: jax.Array, fmt: np.dtype) -> jax.Array:
   """`scaled` values cast to `fmt`: none is past its largest value (`scale` sees to it),
   and inf and NaN stay non-finite (e4m3 has no inf: they become NaN), so an overflow is
-  still seen. Not differentiable: JAX's rule would cast tangents and cotangents to float8
-  unscaled (flushed to zero or NaN), which second-order differentiation through a float8
-  matmul's backward pass would meet."""
-  return values.astype(fmt)
+  still seen."""
+  return lax.convert_element_type(values, fmt)
 
 
-@to_float8.defjvp
-def _to_float8_jvp(fmt, primals, tangents):
+def _refuse_second_order(*_: Any) -> None:
+  """The derivative rule of a float8 matmul's backward pass. JAX's own rule for its
+  float8 casts would take the tangents to float8 unscaled (flushed to zero or NaN), which
+  second-order differentiation (the backward pass differentiated again) would meet. The
+  forward pass needs no such rule: it is a `custom_vjp`'s, never differentiated itself."""
   raise NotImplementedError(
       "a float8 matmul of `autocast(..., fp8=...)` cannot be differentiated twice "
       "(jax.hessian, Hessian-vector products, a gradient of a gradient, jax.jvp of its "
@@ -279,15 +307,15 @@ def _to_float8_jvp(fmt, primals, tangents):
 
 
 class Quantized(NamedTuple):
-  """A tensor in float8 and the float32 factor it was scaled by (of the tensor's rank,
-  of size 1 along the axes its amax was taken over).
+  """A tensor in float8 and the inverse of the float32 factor it was scaled by (of the
+  tensor's rank, of size 1 along the axes its amax was taken over).
 
   Attributes:
     values: the scaled tensor, in float8.
-    factor: the scale.
+    inverse: what divides the scale out of a product.
   """
   values: jax.Array
-  factor: jax.Array
+  inverse: jax.Array
 
   @property
   def ndim(self) -> int:
@@ -299,14 +327,14 @@ class Quantized(NamedTuple):
 
 
 def quantize(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> Quantized:
-  values, factor = scaled(x, fmt, contract, recipe)
-  return Quantized(to_float8(values, fmt), factor)
+  values, _, inverse = scaled(x, fmt, contract, recipe)
+  return Quantized(to_float8(values, fmt), inverse)
 
 
 def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
                   others: int) -> jax.Array:
-  """An operand's scale laid out for `dot_general`'s result (batch axes, the left
-  operand's other axes, the right operand's), with `others` axes of size 1 for the
+  """An operand's (inverse) scale laid out for `dot_general`'s result (batch axes, the
+  left operand's other axes, the right operand's), with `others` axes of size 1 for the
   other operand's free axes; a scalar for a tensor's one scale."""
   if factor.size == 1:
     return factor.reshape(())
@@ -318,7 +346,7 @@ def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
     shape = shape + ones
   else:
     shape = shape[:len(batch)] + ones + shape[len(batch):]
-  return jnp.transpose(factor, order + list(contract)).reshape(shape)
+  return lax.reshape(lax.transpose(factor, order + list(contract)), shape)
 
 
 def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension_numbers: Any,
@@ -333,11 +361,19 @@ def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension
   out = lax.dot_general(lhs.values, rhs.values, dimension_numbers, preferred_element_type=_F32)
   lhs_free = len(_others(lhs.ndim, lhs_contract, lhs_batch))
   rhs_free = len(_others(rhs.ndim, rhs_contract, rhs_batch))
-  # The larger scale first: `out / lhs_scale` alone is the true product times the rhs
-  # scale, which overflows float32 for a finite product of an operand beyond ~1e35.
-  lhs_scale = _output_scale(lhs.factor, lhs_batch, lhs_contract, True, rhs_free)
-  rhs_scale = _output_scale(rhs.factor, rhs_batch, rhs_contract, False, lhs_free)
-  return out / jnp.maximum(lhs_scale, rhs_scale) / jnp.minimum(lhs_scale, rhs_scale)
+  lhs_inverse = _output_scale(lhs.inverse, lhs_batch, lhs_contract, True, rhs_free)
+  rhs_inverse = _output_scale(rhs.inverse, rhs_batch, rhs_contract, False, lhs_free)
+  return _unscaled(out, lhs_inverse, rhs_inverse)
+
+
+def _unscaled(out: jax.Array, lhs_inverse: jax.Array, rhs_inverse: jax.Array) -> jax.Array:
+  """`out * lhs_inverse * rhs_inverse`, the smaller inverse first: `out * lhs_inverse`
+  alone is the true product divided by the rhs inverse, which overflows float32 for a
+  finite product of an operand beyond ~1e35."""
+  lhs_inverse, rhs_inverse = (lax.broadcast_in_dim(x, out.shape, range(out.ndim)) if x.ndim
+                              else x for x in (lhs_inverse, rhs_inverse))
+  return lax.mul(lax.mul(out, lax.min(lhs_inverse, rhs_inverse)),
+                 lax.max(lhs_inverse, rhs_inverse))
 
 
 def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any) -> jax.Array:
@@ -455,6 +491,7 @@ def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
   return out.astype(dtype), (lhs, rhs)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
   lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew along rows)
   lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(recipe),
@@ -462,6 +499,7 @@ def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
   return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
+_float8_dot_backward.defjvp(_refuse_second_order)
 _float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
 
 
@@ -548,7 +586,7 @@ class Convolution(NamedTuple):
     float8 under `recipe` (both operands in its `grad_format`), exact for None."""
     spatial = self.dimension_numbers.rhs_spec[2:]
     if isinstance(rhs, Quantized):  # its one scale does not change
-      reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.factor)
+      reversed_rhs = Quantized(lax.rev(rhs.values, spatial), rhs.inverse)
     else:
       reversed_rhs = lax.rev(rhs, spatial)
     of_lhs = self.of_lhs(lhs.shape, rhs.shape, g.shape)
@@ -581,7 +619,7 @@ def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _conv_output_scale(factor: jax.Array, axis: int, ndim: int) -> jax.Array:
-  """An operand's scale laid out along `axis` of the convolution's `ndim`-dimensional
+  """An operand's (inverse) scale laid out along `axis` of the convolution's `ndim`-dimensional
   result; a scalar for a tensor's one scale."""
   if factor.size == 1:
     return factor.reshape(())
@@ -602,8 +640,8 @@ def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
   if not isinstance(rhs, Quantized):
     rhs = quantize(rhs, fmt, _others(rhs.ndim, [rhs_spec[0]]), recipe)
   out = convolution(lhs.values, rhs.values)
-  out = out / _conv_output_scale(lhs.factor, out_spec[0], out.ndim)
-  return out / _conv_output_scale(rhs.factor, out_spec[1], out.ndim)
+  return _unscaled(out, _conv_output_scale(lhs.inverse, out_spec[0], out.ndim),
+                   _conv_output_scale(rhs.inverse, out_spec[1], out.ndim))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -618,12 +656,14 @@ def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
   return out, (lhs, rhs)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _float8_conv_backward(convolution, recipe, dtype, residuals, g):
   lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew)
   lhs_bar, rhs_bar = convolution.gradients(g, lhs, rhs, recipe)
   return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
+_float8_conv_backward.defjvp(_refuse_second_order)
 _float8_conv.defvjp(_float8_conv_forward, _float8_conv_backward)
 
 
@@ -647,7 +687,7 @@ class TensorStats(NamedTuple):
 
 def tensor_stats(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -> TensorStats:
   """`TensorStats` of `x`, scaled as `scaled_dot` scales it along `contract`."""
-  values, _ = scaled(x, fmt, contract, recipe)
+  values, _, _ = scaled(x, fmt, contract, recipe)
   largest = float(jnp.finfo(fmt).max)
   quantized = to_float8(values, fmt)
   flushed = jnp.sum((values != 0) & (quantized == 0))

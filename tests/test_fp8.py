@@ -207,27 +207,45 @@ def test_gradients_are_within_float8s_error_of_float32s(recipe, limit):
     assert 0.01 < relative_error(got, want) < limit
 
 
-def test_rowwise_scales_are_powers_of_two_rounded_down():
-  amax = jnp.array([1.0, 3.0, 1e-30, 100.0, 0.0, jnp.inf])
-  factor = np.asarray(_fp8.scale(amax, E4M3, power_of_two=True))
-  np.testing.assert_array_equal(factor, [256.0, 128.0, 2.0 ** 108, 4.0, 1.0, 1.0])
+def test_rowwise_scales_are_powers_of_two_rounded_down_and_divided_out_exactly():
+  amax = jnp.array([1.0, 3.0, 1e-30, 100.0, 0.0, jnp.inf, jnp.nan, 3e38, 448.0, 449.0])
+  factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two=True))
+  np.testing.assert_array_equal(
+      factor, [256.0, 128.0, 2.0 ** 108, 4.0, 1.0, 1.0, 1.0, 2.0 ** -120, 0.5, 0.5])
+  np.testing.assert_array_equal(inverse, 1 / factor)
+
+
+def test_rowwise_scales_are_the_largest_powers_of_two_that_keep_each_amax_inside():
+  # Every float32 mantissa near 448's and across octaves: floor(log2(448 / amax)), exactly.
+  bits = np.random.default_rng(1).integers(0x00800000, 0x7F800000, 100000).astype(np.uint32)
+  amax = np.concatenate([bits.view(np.float32), np.float32(448 * (1 - 2**-20))
+                         * np.float32(2.0) ** np.arange(-100, 100, dtype=np.float32)])
+  factor, inverse = map(np.asarray, _fp8.scale(jnp.asarray(amax), E4M3, power_of_two=True))
+  scaled = (amax.astype(np.float64) * factor)[factor != 1]
+  assert np.all(scaled <= 448 * (1 - 2**-20)) and np.all(scaled > 224 * (1 - 2**-20))
+  np.testing.assert_array_equal(np.log2(factor), np.round(np.log2(factor)))
+  np.testing.assert_array_equal(inverse * factor, 1.0)
 
 
 def test_a_zero_non_finite_or_tiny_amax_gives_scale_one():
-  factor = _fp8.scale(jnp.array([0.0, jnp.inf, jnp.nan, 1e-40]), E4M3, power_of_two=False)
-  np.testing.assert_array_equal(factor, [1.0, 1.0, 1.0, 1.0])
+  for power_of_two in (False, True):
+    factor, inverse = _fp8.scale(jnp.array([0.0, jnp.inf, jnp.nan, 1e-40]), E4M3,
+                                 power_of_two)
+    np.testing.assert_array_equal(factor, [1.0, 1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(inverse, [1.0, 1.0, 1.0, 1.0])
 
 
 @pytest.mark.parametrize("power_of_two", [False, True])
 def test_the_largest_value_scales_to_at_most_the_formats_largest(power_of_two):
   amax = jnp.abs(jax.random.normal(KEYS[3], (10000,))) * 1e3
-  factor = _fp8.scale(amax, E4M3, power_of_two)
+  factor, inverse = _fp8.scale(amax, E4M3, power_of_two)
   assert float(jnp.max(amax * factor)) <= 448.0
   assert float(jnp.min(amax * factor)) > (224.0 if power_of_two else 447.99)
+  np.testing.assert_allclose(factor * inverse, 1.0, rtol=0 if power_of_two else 3e-7)
 
 
 def test_current_scaling_never_saturates():
-  values, _ = _fp8.scaled(BIG_X * 3.7, E4M3, (1,), jls.Float8Recipe.from_name("tensorwise"))
+  values, _, _ = _fp8.scaled(BIG_X * 3.7, E4M3, (1,), jls.Float8Recipe.from_name("tensorwise"))
   assert float(jnp.max(jnp.abs(values))) <= 448.0
 
 
@@ -393,6 +411,11 @@ def test_a_second_derivative_through_a_float8_matmul_is_refused_not_wrong(recipe
   penalty = lambda w: jnp.sum(grad_of_w(x, w) ** 2)
   with pytest.raises(NotImplementedError, match="differentiated twice"):
     jax.grad(penalty)(w)
+  loss = jls.autocast(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2), jnp.bfloat16, fp8=recipe)
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.hessian(loss)(w[:, :16])
+  with pytest.raises(NotImplementedError, match="differentiated twice"):  # a Hessian-vector product
+    jax.jvp(jax.grad(loss), (w,), (jnp.ones_like(w),))
 
 
 def test_a_finite_product_of_a_huge_operand_stays_finite():
@@ -689,3 +712,11 @@ def test_per_row_convolution_scales_are_divided_out_along_each_convolutions_own_
   for got, want in zip(grads(jls.autocast(f, jnp.bfloat16, fp8=recipe), x, w), grads(f, x, w),
                        strict=True):
     assert relative_error(got, want) < 0.05
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_second_derivative_through_a_float8_convolution_is_refused(name):
+  loss = jls.autocast(conv_loss, jnp.bfloat16, fp8=CONVOLUTIONS[name])
+  penalty = lambda w: jnp.sum(jax.grad(loss, argnums=1)(CONV_X, w) ** 2)
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.grad(penalty)(CONV_W)
