@@ -235,8 +235,8 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array
   just inside `fmt`'s largest value (by 2**-20, so that rounding never takes it past), and
   what divides it out of a product (exactly for a power of two, within an ulp otherwise);
   1 and 1 where `amax` is 0, not finite (what is scaled stays non-finite, and the next
-  call computes its scale afresh) or so small (below about 1e-36) that the factor would
-  overflow float32.
+  call computes its scale afresh) or, per tensor, so small (below about 5e-36) that the
+  inverse would not be a normal float32 (powers of two stop at `2**126` there).
 
   The inverse is computed from `amax`, not as `1 / factor`: XLA:CPU computes a divide
   read by two kernels as a kernel of its own, one per scale of every matmul, each compiled
@@ -247,23 +247,25 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array
   if power_of_two:
     return _power_of_two_scale(amax, largest)
   one = lax.full_like(amax, 1)
-  factor = lax.div(largest, amax)
-  usable = lax.bitwise_and(lax.gt(factor, np.float32(0)),
-                           lax.lt(factor, np.float32(np.inf)))  # NaN fails both
-  return (lax.select(usable, factor, one),
-          lax.select(usable, lax.mul(amax, np.float32(1) / largest), one))
+  inverse = lax.mul(amax, np.float32(1) / largest)
+  usable = lax.bitwise_and(lax.ge(inverse, np.float32(2.0**-126)),  # NaN fails both
+                           lax.lt(inverse, np.float32(np.inf)))
+  return lax.select(usable, lax.div(largest, amax), one), lax.select(usable, inverse, one)
 
 
 def _power_of_two_scale(amax: jax.Array, largest: np.float32) -> tuple:
   """`scale` rounded down to a power of two, `2**k` for `k = floor(log2(largest / amax))`,
   and its inverse `2**-k`, exactly and with no divide: a positive float32 times `2**k` adds
   `k * 2**23` to its bits, so `k` is the bits' difference, `bits(largest) - bits(amax)`,
-  rounded down to a multiple of `2**23`. At most 126, so that both are normal numbers."""
+  rounded down to a multiple of `2**23`. At most 126, so that both are normal numbers (an
+  amax below about 2.6e-36 is scaled by `2**126`, within the format but not up to its
+  largest value); 1 for an amax of 0 or not finite."""
   bits = lax.bitcast_convert_type(amax, jnp.int32)
-  exponent = lax.bitwise_and(lax.sub(largest.view(np.int32), bits),
-                             np.int32(-(2**23)))  # k * 2**23
-  usable = lax.bitwise_and(lax.lt(bits, np.int32(0x7F800000)),  # not 0, inf or NaN
-                           lax.le(exponent, np.int32(126 << 23)))
+  exponent = lax.min(lax.bitwise_and(lax.sub(largest.view(np.int32), bits),
+                                     np.int32(-(2**23))),  # k * 2**23
+                     np.int32(126 << 23))
+  usable = lax.bitwise_and(lax.gt(bits, np.int32(0)),  # not 0, inf or NaN (of either sign)
+                           lax.lt(bits, np.int32(0x7F800000)))
   exponent = lax.select(usable, exponent, lax.full_like(exponent, 0))
   one = np.int32(0x3F800000)  # 1.0's bits
   return (lax.bitcast_convert_type(lax.add(one, exponent), _F32),
@@ -293,10 +295,13 @@ def to_float8(values: jax.Array, fmt: np.dtype) -> jax.Array:
 
 
 def _refuse_second_order(*_: Any) -> None:
-  """The derivative rule of a float8 matmul's backward pass. JAX's own rule for its
-  float8 casts would take the tangents to float8 unscaled (flushed to zero or NaN), which
-  second-order differentiation (the backward pass differentiated again) would meet. The
-  forward pass needs no such rule: it is a `custom_vjp`'s, never differentiated itself."""
+  """The derivative rule of a float8 matmul's forward and backward rules (the `custom_vjp`
+  pair that its first derivative runs). JAX's own rule for their float8 casts would take
+  the tangents to float8 unscaled (flushed to zero or NaN), which a derivative of that
+  derivative would meet: the backward rule differentiated again (a Hessian, a gradient
+  penalty), or the forward rule run inside an outer derivative (`jax.grad` of an inner
+  `jax.vjp`'s output or `has_aux` output). One rule per matmul, not per cast: a step
+  traces hundreds of casts."""
   raise NotImplementedError(
       "a float8 matmul of `autocast(..., fp8=...)` cannot be differentiated twice "
       "(jax.hessian, Hessian-vector products, a gradient of a gradient, jax.jvp of its "
@@ -482,6 +487,7 @@ def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
   return out.astype(dtype)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
   (lhs_contract, rhs_contract), _ = dimension_numbers
   if recipe.granularity == "tensor":  # the backward matmuls take the same scales: kept in float8
@@ -499,6 +505,7 @@ def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
   return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
+_float8_dot_forward.defjvp(_refuse_second_order)
 _float8_dot_backward.defjvp(_refuse_second_order)
 _float8_dot.defvjp(_float8_dot_forward, _float8_dot_backward)
 
@@ -649,6 +656,7 @@ def _float8_conv(lhs, rhs, convolution, recipe, dtype):
   return scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
   out = scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
   if recipe.granularity == "tensor":  # the backward convolutions' operands: kept in float8
@@ -663,6 +671,7 @@ def _float8_conv_backward(convolution, recipe, dtype, residuals, g):
   return lhs_bar.astype(dtype), rhs_bar.astype(dtype)
 
 
+_float8_conv_forward.defjvp(_refuse_second_order)
 _float8_conv_backward.defjvp(_refuse_second_order)
 _float8_conv.defvjp(_float8_conv_forward, _float8_conv_backward)
 

@@ -651,7 +651,8 @@ def loss_scaling(
       moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
       momentum; not scalars such as injected hyperparameters, nor integer counts) are
       kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step,
-      narrower gradients widened;
+      narrower gradients widened (so the updates `update` returns are float32;
+      `optax.apply_updates` casts them to each parameter's dtype);
       its new state is written back stochastically, whatever `rounding` (to nearest, a
       moment's decay below half a spacing would be lost). None (the default) keeps the
       optimizer's own dtypes.

@@ -221,18 +221,33 @@ def test_rowwise_scales_are_the_largest_powers_of_two_that_keep_each_amax_inside
   amax = np.concatenate([bits.view(np.float32), np.float32(448 * (1 - 2**-20))
                          * np.float32(2.0) ** np.arange(-100, 100, dtype=np.float32)])
   factor, inverse = map(np.asarray, _fp8.scale(jnp.asarray(amax), E4M3, power_of_two=True))
-  scaled = (amax.astype(np.float64) * factor)[factor != 1]
+  scaled = (amax.astype(np.float64) * factor)[(factor != 1) & (factor < 2.0**126)]
   assert np.all(scaled <= 448 * (1 - 2**-20)) and np.all(scaled > 224 * (1 - 2**-20))
   np.testing.assert_array_equal(np.log2(factor), np.round(np.log2(factor)))
   np.testing.assert_array_equal(inverse * factor, 1.0)
 
 
-def test_a_zero_non_finite_or_tiny_amax_gives_scale_one():
+def test_a_zero_or_non_finite_amax_gives_scale_one():
   for power_of_two in (False, True):
-    factor, inverse = _fp8.scale(jnp.array([0.0, jnp.inf, jnp.nan, 1e-40]), E4M3,
+    factor, inverse = _fp8.scale(jnp.array([0.0, jnp.inf, jnp.nan, -jnp.nan]), E4M3,
                                  power_of_two)
     np.testing.assert_array_equal(factor, [1.0, 1.0, 1.0, 1.0])
     np.testing.assert_array_equal(inverse, [1.0, 1.0, 1.0, 1.0])
+
+
+def test_a_tiny_amax_takes_the_largest_scale_whose_inverse_is_a_normal_float():
+  # Per tensor, an inverse below 2**-126 would be flushed to zero (XLA:CPU flushes
+  # subnormals): scale 1. Per row, powers of two stop at 2**126, still inside the format.
+  amax = jnp.array([1e-40, 2e-36, 1e-30])
+  factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two=False))
+  assert factor[0] == factor[1] == inverse[0] == inverse[1] == 1.0
+  assert factor[2] * 1e-30 == pytest.approx(448, rel=1e-5)
+  factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two=True))
+  np.testing.assert_array_equal(factor, [2.0**126, 2.0**126, 2.0**108])
+  np.testing.assert_array_equal(inverse * factor, 1.0)
+  x = jnp.full((32, 64), 2e-36).at[1:].set(1.0)  # one row of tiny values
+  out = jls.autocast(lambda x, w: x @ w, jnp.float32, fp8="rowwise")(x, jnp.ones((64, 16)))
+  assert float(out[0, 0]) == pytest.approx(64 * 2e-36, rel=0.1)
 
 
 @pytest.mark.parametrize("power_of_two", [False, True])
@@ -416,6 +431,12 @@ def test_a_second_derivative_through_a_float8_matmul_is_refused_not_wrong(recipe
     jax.hessian(loss)(w[:, :16])
   with pytest.raises(NotImplementedError, match="differentiated twice"):  # a Hessian-vector product
     jax.jvp(jax.grad(loss), (w,), (jnp.ones_like(w),))
+  # The forward rule inside an outer derivative: an inner vjp's output, an inner grad's aux.
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.grad(lambda w: jax.vjp(loss, w)[0])(w)
+  aux = lambda w: jax.grad(lambda v: (jnp.sum(v**2), loss(v)), has_aux=True)(w)[1]
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.grad(aux)(w)
 
 
 def test_a_finite_product_of_a_huge_operand_stays_finite():
@@ -720,3 +741,5 @@ def test_a_second_derivative_through_a_float8_convolution_is_refused(name):
   penalty = lambda w: jnp.sum(jax.grad(loss, argnums=1)(CONV_X, w) ** 2)
   with pytest.raises(NotImplementedError, match="differentiated twice"):
     jax.grad(penalty)(CONV_W)
+  with pytest.raises(NotImplementedError, match="differentiated twice"):
+    jax.grad(lambda w: jax.vjp(lambda v: loss(CONV_X, v), w)[0])(CONV_W)
