@@ -336,22 +336,22 @@ def quantize(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recipe) -
   return Quantized(to_float8(values, fmt), inverse)
 
 
-def _output_scale(factor: jax.Array, batch: Any, contract: Any, lhs: bool,
+def _output_scale(inverse: jax.Array, batch: Any, contract: Any, lhs: bool,
                   others: int) -> jax.Array:
-  """An operand's (inverse) scale laid out for `dot_general`'s result (batch axes, the
+  """An operand's inverse scale laid out for `dot_general`'s result (batch axes, the
   left operand's other axes, the right operand's), with `others` axes of size 1 for the
   other operand's free axes; a scalar for a tensor's one scale."""
-  if factor.size == 1:
-    return factor.reshape(())
-  free = _others(factor.ndim, contract, batch)
+  if inverse.size == 1:
+    return inverse.reshape(())
+  free = _others(inverse.ndim, contract, batch)
   order = list(batch) + free
-  shape = [factor.shape[axis] for axis in order]
+  shape = [inverse.shape[axis] for axis in order]
   ones = [1] * others
   if lhs:
     shape = shape + ones
   else:
     shape = shape[:len(batch)] + ones + shape[len(batch):]
-  return lax.reshape(lax.transpose(factor, order + list(contract)), shape)
+  return lax.reshape(lax.transpose(inverse, order + list(contract)), shape)
 
 
 def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension_numbers: Any,
@@ -625,14 +625,14 @@ def _swapped(spec: tuple[int, ...]) -> tuple[int, ...]:
   return (spec[1], spec[0], *spec[2:])
 
 
-def _conv_output_scale(factor: jax.Array, axis: int, ndim: int) -> jax.Array:
-  """An operand's (inverse) scale laid out along `axis` of the convolution's `ndim`-dimensional
+def _conv_output_scale(inverse: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """An operand's inverse scale laid out along `axis` of the convolution's `ndim`-dimensional
   result; a scalar for a tensor's one scale."""
-  if factor.size == 1:
-    return factor.reshape(())
+  if inverse.size == 1:
+    return inverse.reshape(())
   shape = [1] * ndim
-  shape[axis] = factor.size
-  return factor.reshape(shape)
+  shape[axis] = inverse.size
+  return inverse.reshape(shape)
 
 
 def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,

@@ -95,31 +95,20 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
   return treedef.unflatten(new), compensation
 
 
-def load_state(inner_state: Any, state_dtype: np.dtype | None, rounding: str) -> Any:
-  """The inner state as the optimizer computes with it: with a `state_dtype` or a
-  rounding other than `"nearest"`, its kept arrays narrower than float32 widened to
-  float32 (optax would compute bfloat16 moments in bfloat16, where Adam's 0.999 is 1.0).
-  """
+def load(grads: Any, inner_state: Any, state_dtype: np.dtype | None,
+         rounding: str) -> tuple[Any, Any]:
+  """`(grads, inner_state)` as the optimizer computes with them: with a `state_dtype` or a
+  rounding other than `"nearest"`, their arrays narrower than float32 widened to float32.
+  Else optax would compute bfloat16 moments in bfloat16 (where Adam's 0.999 is 1.0) and
+  take a bfloat16 gradient's `(1 - b1) * g` and `g * g` in bfloat16 (a relative error of up
+  to 2**-9 in each moment's increment); XLA would also keep `g * g` as a bfloat16 array
+  between the loops that read it. Scalars too: a 0-d parameter's moments (a learned
+  temperature) are moments."""
   if state_dtype is None and rounding == "nearest":
-    return inner_state
-  # Scalars too: a 0-d parameter's moments (a learned temperature) are moments.
-  return _widened(inner_state)
-
-
-def load_grads(grads: Any, state_dtype: np.dtype | None, rounding: str) -> Any:
-  """The gradients as the optimizer computes with them: widened to float32 where
-  `load_state` widens the state. Else optax would take a bfloat16 gradient's
-  `(1 - b1) * g` and `g * g` in bfloat16 (a relative error of up to 2**-9 in each
-  moment's increment), and XLA would keep `g * g` as a bfloat16 array between the
-  loops that read it."""
-  if state_dtype is None and rounding == "nearest":
-    return grads
-  return _widened(grads)
-
-
-def _widened(tree: Any) -> Any:
-  return jax.tree.map(lambda x: x.astype(jnp.float32) if _trees.is_array(x) and is_narrow(x)
-                      else x, tree)
+    return grads, inner_state
+  widened = lambda tree: jax.tree.map(
+      lambda x: x.astype(jnp.float32) if _trees.is_array(x) and is_narrow(x) else x, tree)
+  return widened(grads), widened(inner_state)
 
 
 def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, rounding: str,
@@ -137,7 +126,6 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   # Written to nearest, a moment kept in bfloat16 never moves by less than half a spacing:
   # Adam's nu (b2=0.999, a relative change of 0.001 < 2**-9) would never decay. Every
   # narrow write is stochastic where the state has a counter.
-  del rounding
   leaves, treedef = jax.tree.flatten(inner_state)
   olds = [None] * len(leaves) if like is None else treedef.flatten_up_to(like)
   stored = []
@@ -145,7 +133,7 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
     if _kept(x):
       dtype = state_dtype if state_dtype is not None else (
           old.dtype if old is not None and is_narrow(old) else None)
-    else:  # scalars keep their dtype (widened by `load_state` if narrow)
+    else:  # scalars keep their dtype (widened by `load` if narrow)
       dtype = old.dtype if old is not None and _trees.is_array(old) and is_narrow(old) else None
     if _trees.is_array(x) and _trees.is_float(x) and dtype is not None and x.dtype != dtype:
       if counter is not None and _numerics.is_narrow(dtype):

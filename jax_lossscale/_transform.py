@@ -640,9 +640,9 @@ def loss_scaling(
       parameter's dtype, in the state, keeps what the write rounded away and adds it
       back at the next step). With either, the optimizer's state kept in the parameters'
       dtype is computed in float32 too, from float32 gradients (in bfloat16, Adam's decay
-      0.999 is 1.0) and
-      written back in it stochastically (to nearest, a moving average whose change is
-      below half a spacing, Adam's `nu` decaying by 0.001, would never move). float32
+      0.999 is 1.0), and written back in it stochastically (to nearest, a moving average
+      whose change is below half a spacing, Adam's `nu` decaying by 0.001, would never
+      move). float32
       parameters are written as they are. `update` returns updates, which
       `optax.apply_updates` would round to nearest: with `"stochastic"` or
       `"compensated"` it refuses parameters narrower than float32 (and `params=None`);
@@ -652,9 +652,9 @@ def loss_scaling(
       momentum; not scalars such as injected hyperparameters, nor integer counts) are
       kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step,
       narrower gradients widened (so the updates `update` returns are float32;
-      `optax.apply_updates` casts them to each parameter's dtype);
-      its new state is written back stochastically, whatever `rounding` (to nearest, a
-      moment's decay below half a spacing would be lost). None (the default) keeps the
+      `optax.apply_updates` casts them to each parameter's dtype); its new state is
+      written back stochastically, whatever `rounding` (to nearest, a moment's decay
+      below half a spacing would be lost). None (the default) keeps the
       optimizer's own dtypes.
 
   Returns:
@@ -773,12 +773,11 @@ class _Step:
     def run():
       unscaled = {k: _trees.rescale_floats(v, state.loss_scale._unscaling()) if k == "grad"
                   else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
+      wide_grads, wide_state = _rounding.load(grads, state.inner_state, self.state_dtype,
+                                              self.rounding)
       try:
         updates, inner_state = self._inner.update(
-            _trees.rescale_floats(
-                _rounding.load_grads(grads, self.state_dtype, self.rounding),
-                decision.unscaling),
-            _rounding.load_state(state.inner_state, self.state_dtype, self.rounding), arrays,
+            _trees.rescale_floats(wide_grads, decision.unscaling), wide_state, arrays,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
         missing = _missing_gradients(grads, params)
