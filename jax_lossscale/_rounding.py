@@ -64,28 +64,40 @@ def compensation_buffers(arrays: Any) -> Any:
 
 
 def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
-                 counter: jax.Array | None) -> tuple[Any, Any]:
+                 counter: jax.Array | None, in_place: bool = False) -> tuple[Any, Any]:
   """`(new_params, new_compensation)`: `params + updates`, each narrow parameter rounded
   as `rounding` says (`compensation`: the buffers, or None), other leaves as
-  `optax.apply_updates` gives them."""
+  `optax.apply_updates` gives them.
+
+  `in_place`: the form whose results replace the donated inputs on CPU. There the
+  compensated sum is computed once into a float32 temporary (XLA:CPU emits one output per
+  loop and computes no divide twice), and both writes read it alone: reading the old
+  parameter and buffer, the first write could not replace either in place. Elsewhere
+  XLA fuses the sum into the writes.
+  """
   if rounding == "nearest":
     return _trees.apply_updates(params, updates), compensation
   leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
   update_leaves = treedef.flatten_up_to(updates)
   buffers = (treedef.flatten_up_to(compensation) if compensation is not None
              else [None] * len(leaves))
-  new, new_buffers = [], []
+  new, new_buffers, previous = [], [], ()
   for index, (p, u, c) in enumerate(zip(leaves, update_leaves, buffers, strict=True)):
     if u is None or not is_narrow(p) or jnp.result_type(u) == jax.dtypes.float0:
       new.append(_trees.apply_updates(p, u))
       new_buffers.append(c)
       continue
     if rounding == "compensated":  # the buffer holds what the last write rounded away
+      if in_place and previous:  # one leaf's sum at a time: after the last leaf's writes
+        p, c, _ = jax.lax.optimization_barrier((p, c, previous))
       exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
+      if in_place:  # both writes read the sum alone, not the parameter and buffer they replace
+        exact = jax.lax.optimization_barrier(exact)
       written, wide = to_nearest(exact, p.dtype)
       # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
       residual = jnp.where(jnp.isfinite(wide), exact - wide, 0)
       new_buffers.append(residual.astype(c.dtype))
+      previous = (written, new_buffers[-1])
     else:
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
       written = stochastic(exact, p, counter, _PARAMS, index)

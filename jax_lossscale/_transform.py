@@ -425,11 +425,10 @@ def global_norm(tree: Any) -> jax.Array:
 # copy them; on GPU and TPU a select fuses into the optimizer's own kernels, where a `cond`
 # would split them (benchmarks/RESULTS.md, "Why `cond` on CPU and `where` elsewhere").
 #
-# Both are one program: on CPU a `lax.cond` around a select that is forced to its first
-# operand (`on_cpu` is a constant once the program is lowered for one platform, so XLA
-# removes the select); elsewhere the select alone (`run_or_pass` holds the cond in its CPU
-# form only). A program exported for several platforms chooses when it runs. The inner
-# optimizer is traced once.
+# Both are one program: `lax.platform_dependent` holds the CPU form (the `lax.cond`) and
+# the other (the select), and a program lowered for one platform keeps that platform's
+# alone; one exported for several chooses when it runs. The inner optimizer is traced once
+# for each form, and once in all where its two forms are one (`_traced_once`).
 #
 # What a step gives may hold static leaves (strings, functions of equinox modules); a
 # skipped step's are those of the running step, see `_trees.arrays_of`.
@@ -466,56 +465,65 @@ class Emitted(NamedTuple):
   updates_finite: jax.Array
 
 
-def on_cpu() -> jax.Array:
-  """Bool scalar: whether the program runs on CPU (`_finite.by_platform`)."""
-  return _finite.by_platform(cpu=lambda: jnp.array(True), default=lambda: jnp.array(False))
-
-
-def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any) -> Any:
-  """On CPU, `fn()` if `pred` else `passed`, by `lax.cond`; elsewhere `fn()`, where `pred`
-  is true (`... | ~on_cpu()`), so a GPU program holds no conditional. The outputs may
-  hold static leaves, which must be `passed`'s. The skipping branch returns its operands
-  as they came, so XLA makes it no computation at all (rebuilding them cost a
-  thousand-leaf `apply_gradients` about 0.2 s more to compile: benchmarks/RESULTS.md)."""
+def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any,
+                elsewhere: Callable[[], Any]) -> Any:
+  """On CPU, `fn()` if `pred` else `passed`, by `lax.cond`; elsewhere `elsewhere()`, so
+  a GPU program holds no conditional. The outputs may hold static leaves, which must be
+  `passed`'s. The skipping branch returns its operands as they came, so XLA makes it no
+  computation at all (rebuilding them cost a thousand-leaf `apply_gradients` about 0.2 s
+  more to compile: benchmarks/RESULTS.md)."""
   arrays, static = _trees.partition(passed)
-  run = _trees.arrays_of(fn, static)
+  run, run_elsewhere = _trees.arrays_of(fn, static), _trees.arrays_of(elsewhere, static)
   out = _finite.by_platform(
       arrays, cpu=lambda ops: jax.lax.cond(pred, lambda _: run(), lambda ops: ops, ops),
-      default=lambda ops: run())
+      default=lambda ops: run_elsewhere())
   return _trees.combine(out, static)
 
 
-def emit(should_apply: jax.Array, run: Callable[[], InnerStep], skipped: Any,
-         kept: Any) -> Emitted:
-  """The step's result: what `run()` gives if it is applied, else `(skipped, kept)`.
+def emit(should_apply: jax.Array, run: Callable[[bool], InnerStep], skipped: Any,
+         kept: Any, checked: bool) -> Emitted:
+  """The step's result: what `run` gives if it is applied, else `(skipped, kept)`.
+
+  On CPU the step is a conditional whose branch runs `run(True)` (the form whose results
+  replace the donated inputs in place, see `LossScalingTransformation._traced_step`);
+  elsewhere a select of `run(False)`'s results. Where the step checks the updates it
+  gives (`checked`: narrow parameters or updates), the check decides too. On CPU it is
+  computed before the conditional from the inputs, by a `run(False)` of which XLA keeps
+  only the reduction (the optimizer fused into it), and the branch runs the optimizer
+  again. Checked inside the branch instead (a second conditional on the written results),
+  every new array was a temporary of its own, copied out after the check: at 10**7
+  bfloat16 parameters 60 to 120 MB of temporaries a step, which XLA:CPU allocates afresh
+  and the machine faults in page by page (benchmarks/RESULTS.md, "bfloat16 parameters and
+  optimizer state").
 
   Args:
     should_apply: bool scalar, the decision taken before running the inner optimizer.
-    run: `() -> InnerStep`, the inner optimizer's step.
+    run: `in_place -> InnerStep`, the inner optimizer's step, traced once for each form.
     skipped: what a skipped step gives instead of `out` (`-0.0` updates, or the params).
     kept: the inner state a skipped step keeps.
+    checked: whether `run` gives an `updates_finite`.
 
   Returns:
     An `Emitted`.
   """
-  cpu = on_cpu()
+  if checked:
+    out, state, finite = run(False)  # on CPU, only `finite` is kept
+    # A skipped step's check is of non-finite gradients: no fault of the updates.
+    apply, updates_finite = should_apply & finite, finite | ~should_apply
+  else:
+    apply, updates_finite = should_apply, jnp.array(True)
 
   def ran():
-    out, state, finite = run()
-    checked = finite is not None
-    finite = finite if checked else jnp.array(True)
-    keep = (should_apply & finite) | cpu  # the select is forced to `(out, state)` on CPU
-    chosen = lambda: (_trees.select_tree(keep, out, skipped),
-                      _trees.select_tree(keep, state, kept))
-    if checked:  # on CPU a second cond, for updates found not finite
-      out, state = run_or_pass(finite | ~cpu, chosen, (skipped, kept))
-    else:
-      out, state = chosen()
-    return out, state, finite
+    new_out, new_state, _ = run(True)
+    return new_out, new_state
 
-  # On a skipped step `finite` is `~should_apply`: True.
-  out, state, finite = run_or_pass(should_apply | ~cpu, ran, (skipped, kept, ~should_apply))
-  return Emitted(out, state, should_apply & finite, finite | ~should_apply)
+  def selected():
+    new_out, new_state, _ = (out, state, None) if checked else run(False)
+    return (_trees.select_tree(apply, new_out, skipped),
+            _trees.select_tree(apply, new_state, kept))
+
+  out, state = run_or_pass(apply, ran, (skipped, kept), elsewhere=selected)
+  return Emitted(out, state, apply, updates_finite)
 
 
 # --- the transformation ------------------------------------------------------------------
@@ -770,7 +778,7 @@ class _Step:
                       self.norm)
     arrays = None if params is None else _trees.partition(params)[0]
 
-    def run():
+    def run(in_place):
       unscaled = {k: _trees.rescale_floats(v, state.loss_scale._unscaling()) if k == "grad"
                   else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
       wide_grads, wide_state = _rounding.load(grads, state.inner_state, self.state_dtype,
@@ -789,12 +797,20 @@ class _Step:
             "loss_scaling: raised by the inner optimizer. If `state` was made by "
             "another optimizer's init, pass this transformation's (tx.init).")
         raise
-      inner_state = _rounding.store_state(inner_state, state.inner_state, self.state_dtype,
-                                          self.rounding, state.rounding_counter)
       out, compensation = updates, state.compensation
       if apply:
         out, compensation = _rounding.write_params(params, updates, self.rounding,
-                                                   state.compensation, state.rounding_counter)
+                                                   state.compensation, state.rounding_counter,
+                                                   in_place)
+      counter = state.rounding_counter
+      if in_place and counter is not None:
+        # The state's stochastic writes recompute the new moments from the old ones,
+        # which the parameters' writes read too: made to wait for those (by the counter
+        # they hash), they may overwrite the old state in place; else XLA copies it.
+        counter = jax.lax.optimization_barrier(
+            (_trees.partition(out)[0], compensation, counter))[2]
+      inner_state = _rounding.store_state(inner_state, state.inner_state, self.state_dtype,
+                                          self.rounding, counter)
       # The compensation buffers travel with the inner state: kept alike on a skipped step.
       return InnerStep(out, (inner_state, compensation), _narrow_finite(
           updates, self.axis_name, params, out if apply else None))
@@ -802,11 +818,16 @@ class _Step:
     static = InnerStep(
         _trees.partition(params if apply else _trees.updates_like(grads, params))[1],
         _trees.partition((state.inner_state, state.compensation))[1], None)
-    run, shapes = _traced_once(run, static, (grads, state, params, extra_args))
+    # Without a rounding counter (or barriers that order in place) both forms are one
+    # program: traced once.
+    reordered = (state.rounding_counter is not None
+                 and _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES)
+    run, shapes = _traced_once(run, static, (grads, state, params, extra_args), reordered)
     skipped = params if apply else _trees.combine(
         _trees.negative_zeros_like(shapes.out, like=_trees.partition(grads)[0]), static.out)
     kept = (_trees.cast_like(state.inner_state, shapes.inner_state[0]), state.compensation)
-    emitted = emit(decision.should_apply, run, skipped, kept)
+    emitted = emit(decision.should_apply, run, skipped, kept,
+                   checked=shapes.updates_finite is not None)
     inner_state, compensation = emitted.inner_state
     emitted = emitted._replace(inner_state=inner_state)
     stepped = _optimizer_stepped(state.inner_state, inner_state)
@@ -859,10 +880,11 @@ class _Step:
           "this rounding, or rounding='nearest'.")
 
 
-def _traced_once(run, static, inputs):
-  """`run` traced at most once, and the shapes of its output's arrays. Inside `jit` it is
-  a nested `jit`, whose cached trace `eval_shape` and the `lax.cond` reuse: tracing an
-  optimizer over a thousand leaves costs as much as compiling hundreds of them.
+def _traced_once(run, static, inputs, reordered):
+  """`in_place -> run(in_place)`, each form traced at most once, and the shapes of the
+  output's arrays. Inside `jit` each form is a nested `jit`, whose cached trace
+  `eval_shape` and the `lax.cond` reuse: tracing an optimizer over a thousand leaves costs
+  as much as compiling hundreds of them. Where not `reordered`, `run(True)` is `run(False)`.
 
   The nested `jit` is inlined by JAX (`inline=True`), so the program has no call in it:
   left as a call, which XLA inlines later, XLA:CPU ordered the optimizer's loops by kind
@@ -870,10 +892,18 @@ def _traced_once(run, static, inputs):
   gradient's second read no longer came from cache (benchmarks/RESULTS.md, "The
   optimizer's loops leaf by leaf").
   """
-  arrays = _trees.arrays_of(run, static)
-  if any(_jax_internals.is_tracer(x) for x in jax.tree.leaves(inputs)):
-    arrays = jax.jit(arrays, inline=True)
-  return (lambda: _trees.combine(arrays(), static)), jax.eval_shape(arrays)
+  nested = any(_jax_internals.is_tracer(x) for x in jax.tree.leaves(inputs))
+  forms = {}
+
+  def form(in_place):
+    in_place = in_place and reordered
+    if in_place not in forms:
+      arrays = _trees.arrays_of(lambda: run(in_place), static)
+      forms[in_place] = jax.jit(arrays, inline=True) if nested else arrays
+    return forms[in_place]
+
+  return (lambda in_place: _trees.combine(form(in_place)(), static)), jax.eval_shape(
+      form(False))
 
 
 def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Array | None:
@@ -885,7 +915,13 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
       return None
     if not _rounding.is_narrow(p):
       return u if _rounding.is_narrow(u) else None
-    return jnp.where(jnp.isfinite(p), _trees.apply_updates(p, u) if n is None else n, 0)
+    n = _trees.apply_updates(p, u) if n is None else n
+    if jnp.dtype(n.dtype).itemsize == 1:
+      # On CPU the check is a reduction with the optimizer fused into it. For float8
+      # parameters that is a chain of emulated float8 conversions, on which LLVM's loop
+      # vectorizer (jax 0.12) never finishes: reduced from a float8 array instead.
+      n = _finite.by_platform(n, cpu=jax.lax.optimization_barrier, default=lambda n: n)
+    return jnp.where(jnp.isfinite(p), n, 0)
 
   if params is None:
     checked = [x for x in _trees.float_leaves(updates) if _rounding.is_narrow(x)]

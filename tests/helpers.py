@@ -14,7 +14,6 @@ import pytest
 
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
-from jax_lossscale import _transform
 from jax_lossscale import diagnostics
 from jax_lossscale import probes as pr
 
@@ -62,7 +61,6 @@ def force_branch(name: str):
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_finite, "by_platform", by_platform)
-    patch.setattr(_transform, "on_cpu", lambda: jnp.array(name == "cpu"))
     yield
 
 
