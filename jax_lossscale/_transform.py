@@ -650,9 +650,8 @@ def loss_scaling(
       dtype is computed in float32 too, from float32 gradients (in bfloat16, Adam's decay
       0.999 is 1.0), and written back in it stochastically (to nearest, a moving average
       whose change is below half a spacing, Adam's `nu` decaying by 0.001, would never
-      move). float32
-      parameters are written as they are. `update` returns updates, which
-      `optax.apply_updates` would round to nearest: with `"stochastic"` or
+      move). float32 parameters are written as they are. `update` returns updates,
+      which `optax.apply_updates` would round to nearest: with `"stochastic"` or
       `"compensated"` it refuses parameters narrower than float32 (and `params=None`);
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
