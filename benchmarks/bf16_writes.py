@@ -13,11 +13,14 @@ configuration:
   bf16 <rounding>, state bf16  the same with state_dtype=jnp.bfloat16
 
 Reports the bytes of the parameters and of the optimizer state from the pytrees, XLA's
-`memory_analysis()` of the donated step (arguments, outputs, temporaries), the median
-time of the step (the variants interleaved, in a random order each round) and its ratio
-to "optax float32" and to the same configuration written to nearest. Example:
+`memory_analysis()` of the donated step (arguments, outputs, temporaries), the CPU
+seconds to lower and compile it (once), the median time of the step (the variants
+interleaved, in a random order each round) and its ratio to "optax float32" and to the
+same configuration written to nearest. Examples, the speed at 10**7 parameters and the
+compile time of many small leaves (where each distinct kernel costs its compile):
 
   python benchmarks/bf16_writes.py --params 1e7 --leaves 8 --reps 10
+  python benchmarks/bf16_writes.py --params 76800 --leaves 300 --reps 1
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -89,11 +93,14 @@ def measure(n: int, leaves: int, reps: int, learning_rate: float = 3e-4,
     params = make_params(n, leaves, dtype)
     grads = jax.tree.map(lambda p: (p * 1e-3).astype(p.dtype), params)
     state = init(params)
+    started = time.process_time()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    compile_seconds = time.process_time() - started
     memory = compiled.memory_analysis()
     p, s = compiled(jax.tree.map(jnp.copy, params), state, grads)  # warm up
     jax.block_until_ready(p)
     runs[name] = {"compiled": compiled, "p": p, "s": s, "grads": grads, "times": [],
+                  "compile_seconds": compile_seconds,
                   "param_bytes": nbytes(params), "state_bytes": nbytes(state),
                   "xla_argument_bytes": int(memory.argument_size_in_bytes),
                   "xla_output_bytes": int(memory.output_size_in_bytes),
@@ -103,6 +110,7 @@ def measure(n: int, leaves: int, reps: int, learning_rate: float = 3e-4,
   return {
       name: {
           **{k: v for k, v in r.items() if k.endswith("_bytes")},
+          "compile_seconds": r["compile_seconds"],
           "median_ms": 1e3 * median[name],
           "vs_optax_float32": median[name] / median["optax float32"],
           "vs_nearest": median[name] / median[nearest_of(name)] if name in CONFIGURATIONS
@@ -124,10 +132,11 @@ def main(argv=None) -> dict:
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {platform.processor() or '?'}; "
         f"Adam over {n:.0e} parameters in {args.leaves} leaves, {args.reps} reps")
   print(f"{'configuration':30} {'params MB':>9} {'state MB':>9} {'XLA args':>9} "
-        f"{'XLA temps':>9} {'ms':>8} {'/optax':>7} {'/nearest':>8}")
+        f"{'XLA temps':>9} {'compile s':>9} {'ms':>8} {'/optax':>7} {'/nearest':>8}")
   for name, r in results.items():
     print(f"{name:30} {r['param_bytes'] / 1e6:9.1f} {r['state_bytes'] / 1e6:9.1f} "
           f"{r['xla_argument_bytes'] / 1e6:9.1f} {r['xla_temp_bytes'] / 1e6:9.1f} "
+          f"{r['compile_seconds']:9.2f} "
           f"{r['median_ms']:8.2f} {r['vs_optax_float32']:7.2f} {r['vs_nearest']:8.2f}")
   if args.json:
     with open(args.json, "w") as f:

@@ -29,6 +29,7 @@ ROUNDINGS = ("nearest", "stochastic", "compensated")
 # Salts of the two kinds of leaves written, so a moment and a parameter at the same leaf
 # index draw different bits.
 _PARAMS, _STATE = 0x5A17, 0x0C7E
+_SEEDS_PER_KERNEL = 64  # fewer kernels to compile against larger ones (`seeds`)
 
 
 def check_rounding(rounding: Any) -> str:
@@ -82,6 +83,7 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
   buffers = (treedef.flatten_up_to(compensation) if compensation is not None
              else [None] * len(leaves))
   new, new_buffers, previous = [], [], ()
+  leaf_seeds = seeds(counter, _PARAMS, len(leaves)) if rounding == "stochastic" else None
   for index, (p, u, c) in enumerate(zip(leaves, update_leaves, buffers, strict=True)):
     if u is None or not is_narrow(p) or jnp.result_type(u) == jax.dtypes.float0:
       new.append(_trees.apply_updates(p, u))
@@ -100,7 +102,7 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       previous = (written, new_buffers[-1])
     else:
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
-      written = stochastic(exact, p, counter, _PARAMS, index)
+      written = stochastic(exact, p, leaf_seeds[index])
       new_buffers.append(c)
     new.append(written)
   compensation = None if compensation is None else treedef.unflatten(new_buffers)
@@ -141,6 +143,7 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   leaves, treedef = jax.tree.flatten(inner_state)
   olds = [None] * len(leaves) if like is None else treedef.flatten_up_to(like)
   stored = []
+  leaf_seeds = None if counter is None else seeds(counter, _STATE, len(leaves))
   for index, (x, old) in enumerate(zip(leaves, olds, strict=True)):
     if _kept(x):
       dtype = state_dtype if state_dtype is not None else (
@@ -149,8 +152,8 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
       dtype = old.dtype if old is not None and _trees.is_array(old) and is_narrow(old) else None
     if _trees.is_array(x) and _trees.is_float(x) and dtype is not None and x.dtype != dtype:
       if counter is not None and _numerics.is_narrow(dtype):
-        x = stochastic(x.astype(jnp.float32), x if old is None else old, counter, _STATE,
-                       index, dtype)
+        x = stochastic(x.astype(jnp.float32), x if old is None else old, leaf_seeds[index],
+                       dtype)
       else:
         x = x.astype(dtype)
     stored.append(x)
@@ -161,13 +164,12 @@ def _kept(x: Any) -> bool:
   return _trees.is_float(x) and not isinstance(x, float) and jnp.ndim(x) >= 1
 
 
-def stochastic(exact: jax.Array, old: jax.Array, counter: jax.Array, salt: int, index: int,
+def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
                dtype: Any = None) -> jax.Array:
   """`exact` (float32) in `dtype` (by default `old`'s, the value it replaces), rounded up
   or down with probability proportional to the distance, independently per entry: its
-  expected value is `exact`."""
+  expected value is `exact`. `seed`: the leaf's, one of `seeds`."""
   dtype = old.dtype if dtype is None else dtype
-  seed = _mix(_mix(jnp.asarray(counter, jnp.uint32) ^ np.uint32(salt)) + np.uint32(index))
   for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
     seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
   value_bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
@@ -185,6 +187,31 @@ def stochastic(exact: jax.Array, old: jax.Array, counter: jax.Array, salt: int, 
                                                    - near.astype(jnp.float32))
   uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
   return jnp.where(uniform < distance, other, near)
+
+
+def seeds(counter: jax.Array, salt: int, count: int) -> list[jax.Array]:
+  """`count` uint32 seeds, one per leaf, from the step's rounding counter and `salt` (the
+  kind of leaves written).
+
+  Each seed is an array of its own, one output of a variadic reduction that computes up
+  to `_SEEDS_PER_KERNEL` of them, and a leaf's write reads it as an operand. Computed
+  inside the write, or sliced there out of one array of seeds, it would put the leaf's
+  index in the write's loop as a constant. XLA compiles each distinct loop apart (on CPU
+  10 to 20 ms each) and equal loops once, so the writes of leaves of one shape compile
+  once: 300 bfloat16 leaves of 16x16 written stochastically took 49 s to compile
+  with the index in the loop, 14 s without (`benchmarks/bf16_writes.py --params 76800
+  --leaves 300`). The reduction's operands are two words each: XLA turns a reduction of a
+  single element into a slice.
+  """
+  base = _mix(jnp.asarray(counter, jnp.uint32) ^ np.uint32(salt))
+  out: list[jax.Array] = []
+  for start in range(0, count, _SEEDS_PER_KERNEL):
+    size = min(_SEEDS_PER_KERNEL, count - start)
+    words = _mix(base + jnp.arange(2 * start, 2 * (start + size), dtype=jnp.uint32))
+    pairs = tuple(words[2 * i:2 * i + 2] for i in range(size))
+    xor = lambda a, b: tuple(map(jnp.bitwise_xor, a, b))
+    out += jax.lax.reduce(pairs, (np.uint32(0),) * size, xor, (0,))
+  return out
 
 
 def to_nearest(exact: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
