@@ -163,6 +163,9 @@ def main(argv=None) -> None:
   parser.add_argument("--layer", type=int, nargs=3, default=None)
   parser.add_argument("--kernels", type=int, default=40,
                       help="how many kernels of each kind the kernel table compiles (0: none)")
+  parser.add_argument("--no-demo-step", action="store_true",
+                      help="leave out the demo's own step from the compile table (it is "
+                      "compiled at the demo's sizes)")
   args = parser.parse_args(argv)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {platform.processor()}")
 
@@ -176,8 +179,9 @@ def main(argv=None) -> None:
   bare = transformer.Config(batch=args.batch, width=args.width, heads=4, layers=2)
   demo = transformer.Config(width=args.width)  # its own sizes: 384 sequences of 64
   vocab = Text.load().vocab  # the demo's: not a multiple of 16, its head stays bfloat16
-  for title, config, showcase in (("bare step: loss, gradient, Adam", bare, False),
-                                  ("the demo's own step, at its sizes", demo, True)):
+  steps = [("bare step: loss, gradient, Adam", bare, False),
+           ("the demo's own step, at its sizes", demo, True)][:1 if args.no_demo_step else 2]
+  for title, config, showcase in steps:
     print(f"\ncompile time (CPU seconds) of the transformer demo's model (width {args.width}),"
           f" {title}, median of {args.reps}")
     seconds = {name: [] for name in ("bfloat16", *RECIPES)}
