@@ -117,7 +117,9 @@ def load(grads: Any, inner_state: Any, state_dtype: np.dtype | None,
   take a bfloat16 gradient's `(1 - b1) * g` and `g * g` in bfloat16 (a relative error of up
   to 2**-9 in each moment's increment); XLA would also keep `g * g` as a bfloat16 array
   between the loops that read it. Scalars too: a 0-d parameter's moments (a learned
-  temperature) are moments."""
+  temperature) are moments. `grads` may be any tree the optimizer reads beside its state
+  (the step passes the gradients, the parameters and a line search's `grad=`): widened
+  alike, so that what it computes from them agrees in dtype."""
   if state_dtype is None and rounding == "nearest":
     return grads, inner_state
   widened = lambda tree: jax.tree.map(

@@ -778,13 +778,18 @@ class _Step:
     arrays = None if params is None else _trees.partition(params)[0]
 
     def run(in_place):
-      unscaled = {k: _trees.rescale_floats(v, state.loss_scale._unscaling()) if k == "grad"
-                  else v for k, v in extra_args.items()}  # unclipped, as optax's chain passes it
-      wide_grads, wide_state = _rounding.load(grads, state.inner_state, self.state_dtype,
-                                              self.rounding)
+      # The parameters and a line search's `grad=` are widened as the gradients are: optax's
+      # line search computes its new gradient at `params + updates` and puts it in a
+      # `lax.cond` beside `grad` and zeros like the parameters. `grad=` is unscaled, not
+      # clipped, as optax's chain passes it.
+      (wide_grads, wide_grad, wide_params), wide_state = _rounding.load(
+          (grads, extra_args.get("grad"), arrays), state.inner_state, self.state_dtype,
+          self.rounding)
+      unscaled = {k: _trees.rescale_floats(wide_grad, state.loss_scale._unscaling())
+                  if k == "grad" else v for k, v in extra_args.items()}
       try:
         updates, inner_state = self._inner.update(
-            _trees.rescale_floats(wide_grads, decision.unscaling), wide_state, arrays,
+            _trees.rescale_floats(wide_grads, decision.unscaling), wide_state, wide_params,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
         missing = _missing_gradients(grads, params)

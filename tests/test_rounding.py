@@ -175,6 +175,37 @@ def adams_second_moment(dtype, steps=2200, **options):
   return float(jnp.mean(state.inner_state[0].nu["w"].astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
+def test_a_line_search_storing_its_gradient_trains_bfloat16_parameters(rounding, state_dtype):
+  # optax's line search computes its new gradient at `params + updates`, beside zeros like
+  # the parameters, in one `lax.cond`: where the step widens the gradients and the state
+  # to float32, it widens the parameters and `grad=` too.
+  target = jnp.linspace(-1.0, 1.0, 16)
+
+  def value_fn(params):
+    return jnp.sum((params["w"].astype(jnp.float32) - target) ** 2)
+
+  inner = optax.chain(optax.sgd(0.3), optax.scale_by_backtracking_linesearch(
+      max_backtracking_steps=8, store_grad=True))
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(2.0**10), rounding=rounding,
+                        state_dtype=state_dtype)
+
+  @jax.jit
+  def step(params, state):
+    value, grad = jax.value_and_grad(lambda p: state.loss_scale.scale(value_fn(p)))(params)
+    return tx.apply_gradients(grad, state, params, value=state.loss_scale.unscale(value),
+                              grad=grad, value_fn=value_fn)
+
+  params = {"w": jnp.zeros(16, jnp.bfloat16)}
+  state = tx.init(params)
+  for _ in range(3):
+    params, state = step(params, state)
+  assert params["w"].dtype == jnp.bfloat16
+  assert state.inner_state[1].grad["w"].dtype == jnp.bfloat16  # kept as the parameters are
+  assert float(value_fn(params)) < 1e-2 * float(value_fn({"w": jnp.zeros(16)}))
+
+
 @pytest.mark.parametrize("dtype, options", [
     (jnp.float32, {"state_dtype": jnp.bfloat16}),
     (jnp.bfloat16, {"rounding": "compensated"}),
