@@ -90,10 +90,11 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       new_buffers.append(c)
       continue
     if rounding == "compensated":  # the buffer holds what the last write rounded away
-      if in_place and previous:  # one leaf's sum at a time: after the last leaf's writes
+      barriers = in_place and _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES
+      if barriers and previous:  # one leaf's sum at a time: after the last leaf's writes
         p, c, _ = jax.lax.optimization_barrier((p, c, previous))
       exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
-      if in_place:  # both writes read the sum alone, not the parameter and buffer they replace
+      if barriers:  # both writes read the sum alone, not the parameter and buffer they replace
         exact = jax.lax.optimization_barrier(exact)
       written, wide = to_nearest(exact, p.dtype)
       # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
@@ -189,6 +190,22 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
                                                    - near.astype(jnp.float32))
   uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
   return jnp.where(uniform < distance, other, near)
+
+
+def after(arrays: Any, counter: jax.Array) -> jax.Array:
+  """`counter`, computed after `arrays`: it reads the first entry of each floating array
+  and changes where one of them is NaN (by its last bit; the random bits of a step that
+  writes a NaN parameter are of no consequence). What the state's stochastic writes hash,
+  so that XLA schedules them after the parameters' writes, which read the old moments too:
+  then they may overwrite the old moments in place. With jax 0.12 a
+  `lax.optimization_barrier` orders them (and the compensated sums' temporaries with
+  them, one leaf's at a time); jax 0.10.2's XLA copies the buffers that pass one."""
+  firsts = [jnp.ravel(x)[0] for x in jax.tree.leaves(arrays)
+            if _trees.is_float(x) and jnp.size(x)]
+  if not firsts:
+    return counter
+  same = jnp.all(jnp.stack([first == first for first in firsts]))
+  return jnp.where(same, counter, counter ^ np.uint32(1))
 
 
 def seeds(counter: jax.Array, salt: int, count: int) -> list[jax.Array]:

@@ -810,9 +810,13 @@ class _Step:
       if in_place and counter is not None:
         # The state's stochastic writes recompute the new moments from the old ones,
         # which the parameters' writes read too: made to wait for those (by the counter
-        # they hash), they may overwrite the old state in place; else XLA copies it.
-        counter = jax.lax.optimization_barrier(
-            (_trees.partition(out)[0], compensation, counter))[2]
+        # they hash), they may overwrite the old state in place; else XLA copies it. jax
+        # 0.10.2's XLA copies the buffers that pass a barrier: there a data dependency.
+        written = (_trees.partition(out)[0], compensation)
+        if _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
+          counter = jax.lax.optimization_barrier((written, counter))[1]
+        else:
+          counter = _rounding.after(written, counter)
       inner_state = _rounding.store_state(inner_state, state.inner_state, self.state_dtype,
                                           self.rounding, counter)
       # The compensation buffers travel with the inner state: kept alike on a skipped step.
@@ -822,10 +826,8 @@ class _Step:
     static = InnerStep(
         _trees.partition(params if apply else _trees.updates_like(grads, params))[1],
         _trees.partition((state.inner_state, state.compensation))[1], None)
-    # Without a rounding counter (or barriers that order in place) both forms are one
-    # program: traced once.
-    reordered = (state.rounding_counter is not None
-                 and _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES)
+    # Without a rounding counter both forms are one program: traced once.
+    reordered = state.rounding_counter is not None
     run, shapes = _traced_once(run, static, (grads, state, params, extra_args), reordered)
     skipped = params if apply else _trees.combine(
         _trees.negative_zeros_like(shapes.out, like=_trees.partition(grads)[0]), static.out)

@@ -299,8 +299,6 @@ def test_a_poisoned_run_equals_the_clean_run_bit_for_bit(rounding, state_dtype, 
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers")
-@pytest.mark.skipif(not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES,
-                    reason="this JAX's XLA copies what a barrier orders")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
@@ -308,6 +306,9 @@ def test_on_cpu_a_donated_step_writes_the_parameters_and_the_state_in_place(
     dtype, rounding, state_dtype):
   # Four leaves of 2**16: no temporary of a leaf's size, but the compensated write's
   # float32 sum, one leaf at a time (XLA:CPU emits one output per loop).
+  if (rounding == "compensated" and dtype == jnp.bfloat16
+      and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES):
+    pytest.skip("this JAX's XLA copies what a barrier orders: the sums are not ordered")
   n = 2**16
   params = {f"w{i}": jnp.linspace(-1.0, 1.0, n).astype(dtype) for i in range(4)}
   tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding,
