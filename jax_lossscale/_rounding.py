@@ -193,13 +193,17 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
 
 
 def after(arrays: Any, counter: jax.Array) -> jax.Array:
-  """`counter`, computed after `arrays`: it reads the first entry of each floating array
-  and changes where one of them is NaN (by its last bit; the random bits of a step that
-  writes a NaN parameter are of no consequence). What the state's stochastic writes hash,
-  so that XLA schedules them after the parameters' writes, which read the old moments too:
-  then they may overwrite the old moments in place. With jax 0.12 a
-  `lax.optimization_barrier` orders them (and the compensated sums' temporaries with
-  them, one leaf's at a time); jax 0.10.2's XLA copies the buffers that pass one."""
+  """`counter`, computed after `arrays`. What the state's stochastic writes hash, so that
+  XLA schedules them after the parameters' writes, which read the old moments too: then
+  they may overwrite the old moments in place.
+
+  With jax 0.12 by a `lax.optimization_barrier` (which also keeps the compensated sums'
+  temporaries to one leaf's at a time). jax 0.10.2's XLA copies the buffers that pass a
+  barrier, so there by a data dependency: the counter reads the first entry of each
+  floating array and changes (by its last bit) where one of them is NaN; the random bits
+  of a step that writes a NaN parameter are of no consequence."""
+  if _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
+    return jax.lax.optimization_barrier((arrays, counter))[1]
   firsts = [jnp.ravel(x)[0] for x in jax.tree.leaves(arrays)
             if _trees.is_float(x) and jnp.size(x)]
   if not firsts:

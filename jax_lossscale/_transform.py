@@ -810,13 +810,8 @@ class _Step:
       if in_place and counter is not None:
         # The state's stochastic writes recompute the new moments from the old ones,
         # which the parameters' writes read too: made to wait for those (by the counter
-        # they hash), they may overwrite the old state in place; else XLA copies it. jax
-        # 0.10.2's XLA copies the buffers that pass a barrier: there a data dependency.
-        written = (_trees.partition(out)[0], compensation)
-        if _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
-          counter = jax.lax.optimization_barrier((written, counter))[1]
-        else:
-          counter = _rounding.after(written, counter)
+        # they hash), they may overwrite the old state in place; else XLA copies it.
+        counter = _rounding.after((_trees.partition(out)[0], compensation), counter)
       inner_state = _rounding.store_state(inner_state, state.inner_state, self.state_dtype,
                                           self.rounding, counter)
       # The compensation buffers travel with the inner state: kept alike on a skipped step.
