@@ -81,9 +81,9 @@ SUPPORTED_JAX = ">=0.10.2,<0.13"
 
 # Whether XLA:CPU updates donated buffers in place behind a `lax.optimization_barrier`
 # that orders two loops (jax 0.12's XLA does). jax 0.10.2's copies the buffers the barrier
-# passes instead, so there the compensated write's float32 sum (`_rounding.write_params`)
-# passes no barrier: with them its compensated bfloat16 step took 87 ms instead of 68 ms
-# at 10**7 parameters (benchmarks/bf16_writes.py). Pinned by
+# passes instead, so there `_rounding.after` orders the writes by a data dependency: with
+# barriers its compensated bfloat16 step took 87 ms instead of 68 ms at 10**7 parameters
+# (benchmarks/bf16_writes.py). Pinned by
 # tests/test_rounding.py::test_on_cpu_a_donated_step_writes_the_parameters_and_the_state_in_place.
 BARRIERS_ORDER_IN_PLACE_WRITES = tuple(
     int(part) for part in jax.__version__.split(".")[:2]) >= (0, 12)

@@ -70,11 +70,10 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
   as `rounding` says (`compensation`: the buffers, or None), other leaves as
   `optax.apply_updates` gives them.
 
-  `in_place`: the form whose results replace the donated inputs on CPU. There the
-  compensated sum is computed once into a float32 temporary (XLA:CPU emits one output per
-  loop and computes no divide twice), and both writes read it alone: reading the old
-  parameter and buffer, the first write could not replace either in place. Elsewhere
-  XLA fuses the sum into the writes.
+  `in_place`: the form whose results replace the donated inputs on CPU. There a
+  compensated leaf's new parameter and buffer come out of one loop (`in_one_loop`), and
+  the leaves are written one after another (`after`), so that one leaf's outputs at a
+  time wait to be copied over the old ones. Elsewhere XLA fuses the sum into both writes.
   """
   if rounding == "nearest":
     return _trees.apply_updates(params, updates), compensation
@@ -90,20 +89,19 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       new_buffers.append(c)
       continue
     if rounding == "compensated":  # the buffer holds what the last write rounded away
-      barriers = in_place and _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES
-      if barriers and previous:  # one leaf's sum at a time: after the last leaf's writes
-        p, c, _ = jax.lax.optimization_barrier((p, c, previous))
+      if in_place and previous:  # one leaf's writes at a time: after the last leaf's
+        p, c = after(previous, (p, c))
       exact = p.astype(jnp.float32) + (u.astype(jnp.float32) + c.astype(jnp.float32))
-      if barriers:  # both writes read the sum alone, not the parameter and buffer they replace
-        exact = jax.lax.optimization_barrier(exact)
       written, wide = to_nearest(exact, p.dtype)
       # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
-      residual = jnp.where(jnp.isfinite(wide), exact - wide, 0)
-      new_buffers.append(residual.astype(c.dtype))
-      previous = (written, new_buffers[-1])
+      residual = jnp.where(jnp.isfinite(wide), exact - wide, 0).astype(c.dtype)
+      if in_place:
+        written, residual = in_one_loop(written, residual)
+      new_buffers.append(residual)
+      previous = (written, residual)
     else:
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
-      written = stochastic(exact, p, leaf_seeds[index])
+      written = stochastic(exact, p, leaf_seeds[index], read_after=in_place)
       new_buffers.append(c)
     new.append(written)
   compensation = None if compensation is None else treedef.unflatten(new_buffers)
@@ -167,11 +165,20 @@ def _kept(x: Any) -> bool:
   return _trees.is_float(x) and not isinstance(x, float) and jnp.ndim(x) >= 1
 
 
-def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
-               dtype: Any = None) -> jax.Array:
+def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = None,
+               read_after: bool = False) -> jax.Array:
   """`exact` (float32) in `dtype` (by default `old`'s, the value it replaces), rounded up
   or down with probability proportional to the distance, independently per entry: its
-  expected value is `exact`. `seed`: the leaf's, one of `seeds`."""
+  expected value is `exact`. `seed`: the leaf's, one of `seeds`.
+
+  `read_after`: the result is one of the `arrays` that `after` orders other writes after.
+  A bfloat16 result is taken as float32's upper half, by integer operations, where XLA:CPU
+  would otherwise round it a second time in a convert (a fifth of the time of a step
+  written stochastically, at 10**7 entries on a 2-core CPU). But where `after` is a data
+  dependency (jax 0.10.2), it reads the result's first entry, and XLA recomputes that
+  entry from the inputs unless the write ends in an operation it counts as expensive:
+  there the convert is kept, so that the entry read is the one written and the writes it
+  orders wait for it."""
   dtype = old.dtype if dtype is None else dtype
   for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
     seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
@@ -181,8 +188,13 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
   if jnp.dtype(dtype) == jnp.bfloat16:
     # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
     # carry into it with probability equal to the distance to the next bfloat16.
-    raised = (value_bits + (bits >> 16)) & np.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(raised, jnp.float32).astype(dtype)
+    raised = value_bits + (bits >> 16)
+    # A NaN stays one: the carry out of a NaN whose mantissa is all ones makes -0 or 0.
+    raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)
+    if read_after and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
+      raised = jax.lax.bitcast_convert_type(raised & np.uint32(0xFFFF0000), jnp.float32)
+      return raised.astype(dtype)
+    return jax.lax.bitcast_convert_type((raised >> 16).astype(jnp.uint16), jnp.bfloat16)
   near = exact.astype(dtype)
   toward = jnp.where(near.astype(jnp.float32) < exact, jnp.inf, -jnp.inf).astype(dtype)
   other = jnp.nextafter(near, toward)
@@ -192,24 +204,51 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array,
   return jnp.where(uniform < distance, other, near)
 
 
-def after(arrays: Any, counter: jax.Array) -> jax.Array:
-  """`counter`, computed after `arrays`. What the state's stochastic writes hash, so that
-  XLA schedules them after the parameters' writes, which read the old moments too: then
-  they may overwrite the old moments in place.
+def after(arrays: Any, values: Any) -> Any:
+  """`values`, computed after `arrays`: it orders loops that XLA could run in either
+  order, so that a loop that reads old values runs before the loop that writes over them
+  in place. What the state's stochastic writes hash (the counter) is computed after the
+  parameters' writes, which read the old moments too; a compensated leaf's parameter and
+  buffer after the last leaf's writes.
 
-  With jax 0.12 by a `lax.optimization_barrier` (which also keeps the compensated sums'
-  temporaries to one leaf's at a time). jax 0.10.2's XLA copies the buffers that pass a
-  barrier, so there by a data dependency: the counter reads the first entry of each
-  floating array and changes (by its last bit) where one of them is NaN; the random bits
-  of a step that writes a NaN parameter are of no consequence."""
+  With jax 0.12 by a `lax.optimization_barrier`. jax 0.10.2's XLA copies the buffers
+  that pass a barrier, so there by a data dependency that XLA does not see through: the
+  first entry of each floating array in `arrays` is read, and `values` are replaced by
+  zeros where one of those is NaN and infinite at once, which none is."""
   if _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
-    return jax.lax.optimization_barrier((arrays, counter))[1]
+    return jax.lax.optimization_barrier((arrays, values))[1]
   firsts = [jnp.ravel(x)[0] for x in jax.tree.leaves(arrays)
             if _trees.is_float(x) and jnp.size(x)]
   if not firsts:
-    return counter
-  same = jnp.all(jnp.stack([first == first for first in firsts]))
-  return jnp.where(same, counter, counter ^ np.uint32(1))
+    return values
+  never = jnp.any(jnp.stack([jnp.isnan(x) & jnp.isinf(x) for x in firsts]))
+  return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), values)
+
+
+def in_one_loop(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """`arrays` (of one shape), computed by one loop.
+
+  XLA:CPU gives a loop one output and computes no divide twice. A compensated leaf's new
+  parameter and buffer, both computed from one float32 sum of the optimizer's update (a
+  divide for Adam), would take a loop that writes the sum out and two that read it back:
+  12 bytes per entry beside the writes. A variadic reduction is the one loop with several
+  outputs, so each array's bits are reduced by OR with zeros over a new axis of two (over
+  one element XLA would make it a slice), an identity: the arrays come out of the loop
+  that computes the sum, and are copied over the donated inputs they replace, 8 bytes per
+  entry for two bfloat16 arrays. Their bits, not their values: XLA:CPU widens a bfloat16
+  reduction to float32.
+  """
+  bits = [jax.lax.bitcast_convert_type(x, _unsigned(x.dtype)) for x in arrays]
+  padded = tuple(jnp.stack([b, jnp.zeros_like(b)], axis=-1) for b in bits)
+  zeros = tuple(np.zeros((), b.dtype) for b in bits)
+  either = lambda xs, ys: tuple(map(jnp.bitwise_or, xs, ys))
+  reduced = jax.lax.reduce(padded, zeros, either, (arrays[0].ndim,))
+  return tuple(jax.lax.bitcast_convert_type(r, x.dtype) for r, x in zip(reduced, arrays,
+                                                                        strict=True))
+
+
+def _unsigned(dtype: Any) -> np.dtype:
+  return np.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def seeds(counter: jax.Array, salt: int, count: int) -> list[jax.Array]:

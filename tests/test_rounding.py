@@ -261,6 +261,56 @@ def test_rounding_to_the_nearest_bfloat16_by_integers_matches_the_convert_bit_fo
   np.testing.assert_array_equal(np.asarray(wide), np.asarray(rounded, np.float32))
 
 
+def test_stochastic_bfloat16_by_integers_matches_the_convert_of_its_upper_half(monkeypatch):
+  # The two forms of `stochastic`'s last step: the float32 upper half taken by integer
+  # operations, or cleared below and converted (where `after` is a data dependency). A NaN
+  # stays one, whatever its bits, though the random carry out of its mantissa overflows.
+  from jax_lossscale import _rounding
+  monkeypatch.setattr(_jax_internals, "BARRIERS_ORDER_IN_PLACE_WRITES", False)
+  bits = np.random.default_rng(1).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
+  special = [0, 0x80000000, 0x00000001, 0x0000FFFF, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF,
+             0x7F800000, 0xFF800000, 0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF]  # inf and NaNs
+  exact = jax.lax.bitcast_convert_type(jnp.asarray(np.append(bits, special), jnp.uint32),
+                                       jnp.float32)
+  old = exact.astype(jnp.bfloat16)
+  seed = jnp.uint32(12345)
+  write = jax.jit(_rounding.stochastic, static_argnames="read_after")
+  by_integers = write(exact, old, seed, read_after=False)
+  converted = write(exact, old, seed, read_after=True)
+  nan = np.isnan(np.asarray(exact))
+  as_bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+  np.testing.assert_array_equal(as_bits(by_integers)[~nan], as_bits(converted)[~nan])
+  assert np.all(np.isnan(np.asarray(by_integers, np.float32)[nan]))
+  assert np.all(np.isnan(np.asarray(converted, np.float32)[nan]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float32])
+def test_arrays_computed_by_one_loop_come_back_bit_for_bit(dtype):
+  from jax_lossscale import _rounding
+  width = jnp.dtype(dtype).itemsize * 8
+  unsigned = jnp.dtype(f"uint{width}")
+  every = np.random.default_rng(2).integers(0, 2**width, (3, 4096), dtype=np.uint64)
+  arrays = [jax.lax.bitcast_convert_type(jnp.asarray(x.astype(unsigned)), dtype) for x in every]
+  back = jax.jit(_rounding.in_one_loop)(*arrays)
+  for x, y in zip(arrays, back, strict=True):
+    assert y.dtype == x.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(y, unsigned)),
+                                  np.asarray(jax.lax.bitcast_convert_type(x, unsigned)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's loops")
+def test_on_cpu_a_compensated_leafs_parameter_and_buffer_come_out_of_one_loop():
+  # XLA:CPU gives a loop one output, but a variadic reduction: else the float32 sum would
+  # be written out once and read back by two loops.
+  n = 2**16
+  params = {"w": jnp.linspace(-1.0, 1.0, n).astype(jnp.bfloat16)}
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding="compensated")
+  step = jax.jit(lambda p, s, g: tx.apply_gradients(g, s, p), donate_argnums=(0, 1))
+  text = step.lower(params, tx.init(params), params).compile().as_text()
+  loops = re.findall(rf"= \(u16\[{n}\]\{{0\}}, u16\[{n}\]\{{0\}}\) fusion\(", text)
+  assert len(loops) == 1, text
+
+
 def test_a_compensated_infinite_entry_stays_infinite_and_leaves_no_nan():
   params = {"b": jnp.array([0.5, -jnp.inf, 0.25], jnp.bfloat16)}  # a masked logit's bias
   update = {"b": jnp.array([-1e-2, 0.0, 1e-2], jnp.bfloat16)}
@@ -304,11 +354,9 @@ def test_a_poisoned_run_equals_the_clean_run_bit_for_bit(rounding, state_dtype, 
 @pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
 def test_on_cpu_a_donated_step_writes_the_parameters_and_the_state_in_place(
     dtype, rounding, state_dtype):
-  # Four leaves of 2**16: no temporary of a leaf's size, but the compensated write's
-  # float32 sum, one leaf at a time (XLA:CPU emits one output per loop).
-  if (rounding == "compensated" and dtype == jnp.bfloat16
-      and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES):
-    pytest.skip("this JAX's XLA copies what a barrier orders: the sums are not ordered")
+  # Four leaves of 2**16: no temporary of a leaf's size, but the compensated write's new
+  # parameter and buffer, of one leaf at a time, before they are copied over the old ones
+  # (`_rounding.in_one_loop`).
   n = 2**16
   params = {f"w{i}": jnp.linspace(-1.0, 1.0, n).astype(dtype) for i in range(4)}
   tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding,
