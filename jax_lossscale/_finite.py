@@ -100,7 +100,7 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
   return _combine(*_partials(jnp.asarray(x)))
 
 
-def _explicitly_sharded(x: jax.Array) -> bool:
+def explicitly_sharded(x: jax.Array) -> bool:
   """Whether `x` is sharded over an explicit mesh axis: then it is reduced on its own
   (concatenating differently sharded arrays is refused there, and would move data)."""
   spec = getattr(jax.typeof(x).sharding, "spec", None)
@@ -116,7 +116,7 @@ def _groups(leaves: Sequence[jax.Array]) -> dict[Any, list[list[jax.Array]]]:
     if not x.size:
       continue
     per_dtype = groups.setdefault(x.dtype, [])
-    if x.size >= _SMALL or _explicitly_sharded(x):
+    if x.size >= _SMALL or explicitly_sharded(x):
       per_dtype.append([x])
       continue
     chunk = chunks.get(x.dtype)

@@ -15,12 +15,14 @@ are sharded) their values. A few integer operations per entry, fused into the wr
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
 from jax_lossscale import _trees
@@ -95,7 +97,7 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       written, wide = to_nearest(exact, p.dtype)
       # An inf written (a -inf entry of a logit bias) leaves nothing behind: inf - inf is NaN.
       residual = jnp.where(jnp.isfinite(wide), exact - wide, 0).astype(c.dtype)
-      if in_place:
+      if in_place and jnp.finfo(p.dtype).bits == 8 * p.dtype.itemsize:  # not float4's
         written, residual = in_one_loop(written, residual)
       new_buffers.append(residual)
       previous = (written, residual)
@@ -212,17 +214,29 @@ def after(arrays: Any, values: Any) -> Any:
   buffer after the last leaf's writes.
 
   With jax 0.12 by a `lax.optimization_barrier`. jax 0.10.2's XLA copies the buffers
-  that pass a barrier, so there by a data dependency that XLA does not see through: the
-  first entry of each floating array in `arrays` is read, and `values` are replaced by
-  zeros where one of those is NaN and infinite at once, which none is."""
+  that pass a barrier, so there by a data dependency that XLA does not see through: each
+  value is replaced by zeros where the first entry of one of `arrays` is NaN and infinite
+  at once, which no real number is. Each value reads only the arrays that vary over no
+  `shard_map` axis it does not vary over (else it would vary over theirs), and none that
+  an explicit mesh shards (whose entry JAX would not slice): a value with none to read
+  is returned as it is, and the loops are left in XLA's order, the writes copied.
+  """
   if _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
     return jax.lax.optimization_barrier((arrays, values))[1]
-  firsts = [jnp.ravel(x)[0] for x in jax.tree.leaves(arrays)
-            if _trees.is_float(x) and jnp.size(x)]
-  if not firsts:
-    return values
-  never = jnp.any(jnp.stack([jnp.isnan(x) & jnp.isinf(x) for x in firsts]))
-  return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), values)
+  firsts = [(jnp.ravel(x)[0], _jax_internals.varying_axes(jax.typeof(x)))
+            for x in jax.tree.leaves(arrays)
+            if _trees.is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+            and jnp.size(x) and not _finite.explicitly_sharded(x)]
+
+  def ordered(value):
+    axes = _jax_internals.varying_axes(jax.typeof(value))
+    read = [x for x, varying in firsts if varying <= axes]
+    if not read:
+      return value
+    never = functools.reduce(jnp.logical_or, [jnp.isnan(x) & jnp.isinf(x) for x in read])
+    return jnp.where(never, jnp.zeros_like(value), value)
+
+  return jax.tree.map(ordered, values)
 
 
 def in_one_loop(*arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -484,6 +484,56 @@ def test_stochastic_rounding_draws_equal_bits_for_replicas_and_other_bits_for_sh
   assert len({row.tobytes() for row in shards}) == 8
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+@pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
+def test_bfloat16_writes_under_shard_map_of_sharded_and_replicated_parameters(
+    rounding, state_dtype):
+  # What orders the in-place writes reads a sharded parameter's entries: never into a
+  # replicated parameter's or the state's writes, which would then vary over the devices.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"a": jnp.linspace(-1, 1, 8 * 64).astype(jnp.bfloat16),
+            "b": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}
+  specs = {"a": P("data"), "b": P()}
+  grads = jax.tree.map(lambda p: (p * 0.1).astype(p.dtype), params)
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=state_dtype)
+  state = tx.init(params)
+  state_specs = jax.tree.map(lambda _: P(), state)
+  state_specs = state_specs._replace(
+      inner_state=jax.tree.map(lambda x: P("data") if x.shape == (8 * 64,) else P(),
+                               state.inner_state),
+      compensation=None if state.compensation is None else specs)
+  step = jax.jit(jax.shard_map(lambda g, s, p: tx.apply_gradients(g, s, p), mesh=mesh,
+                               in_specs=(specs, state_specs, specs),
+                               out_specs=(specs, state_specs)))
+  new, _ = step(grads, state, params)
+  alone, _ = jax.jit(lambda g, s, p: tx.apply_gradients(g, s, p))(grads, state, params)
+  if rounding == "compensated":  # elementwise, no random bits: as on one device
+    chex.assert_trees_all_equal(new, alone)
+  else:
+    for name in params:
+      np.testing.assert_allclose(np.asarray(new[name], np.float32),
+                                 np.asarray(alone[name], np.float32), atol=2**-7)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_bfloat16_writes_of_parameters_sharded_by_an_explicit_mesh(rounding):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  values = jnp.linspace(-1, 1, 64).reshape(16, 4).astype(jnp.bfloat16)
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=jnp.bfloat16)
+  step = jax.jit(lambda g, s, p: tx.apply_gradients(g, s, p))
+  alone, _ = step({"w": values * 0.1}, tx.init({"w": values}), {"w": values})
+  with jax.set_mesh(mesh):
+    params = {"w": jax.device_put(values, NamedSharding(mesh, P("data")))}
+    grads = jax.tree.map(lambda x: x * 0.1, params)
+    new, _ = jax.jit(lambda g, s, p: tx.apply_gradients(g, s, p),
+                     donate_argnums=(1, 2))(grads, jax.jit(tx.init)(params), params)
+  assert new["w"].sharding.spec == P("data", None)
+  if rounding == "compensated":
+    chex.assert_trees_all_equal(jax.device_get(new), jax.device_get(alone))
+
+
 def test_fp8_in_a_data_parallel_shard_map_scales_each_devices_shard_on_its_own():
   # Replicated weights, the batch sharded: each device computes its operands' amax from its
   # own shard, so one device's outlier rows leave the other devices at float8's error.

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import force_branch
 
 import jax_lossscale as jls
 from jax_lossscale import _jax_internals
@@ -296,6 +297,38 @@ def test_arrays_computed_by_one_loop_come_back_bit_for_bit(dtype):
     assert y.dtype == x.dtype and y.shape == x.shape
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(y, unsigned)),
                                   np.asarray(jax.lax.bitcast_convert_type(x, unsigned)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
+                                   jnp.float4_e2m1fn])
+def test_each_branch_writes_compensated_parameters_of_every_narrow_dtype_alike(dtype):
+  # The CPU branch writes in place (a float4 leaf, 4 bits in a byte, not by `in_one_loop`).
+  params = {"w": jnp.linspace(-1.0, 1.0, 64).astype(dtype), "v": jnp.full((3,), 0.5, dtype)}
+  grads = jax.tree.map(lambda p: jnp.linspace(-0.3, 0.2, p.size, dtype=jnp.float32), params)
+  tx = jls.loss_scaling(optax.adam(1e-1), jls.NoOpLossScale(), rounding="compensated")
+  written = []
+  for name in ("cpu", "default"):
+    with force_branch(name):
+      step = jax.jit(lambda g, s, p: tx.apply_gradients(g, s, p))
+      state, out = tx.init(params), params
+      for _ in range(3):
+        out, state = step(grads, state, out)
+      written.append((out, state.compensation))
+  chex.assert_trees_all_equal(*written)
+
+
+def test_after_with_a_data_dependency_changes_no_value(monkeypatch):
+  # jax 0.10.2's form: whatever the first entries it reads (NaN, inf, complex), the values
+  # come back bit for bit, and a value reads no array that varies where it does not.
+  from jax_lossscale import _rounding
+  monkeypatch.setattr(_jax_internals, "BARRIERS_ORDER_IN_PLACE_WRITES", False)
+  arrays = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf], jnp.bfloat16),
+            jnp.array([complex(np.nan, np.inf)], jnp.complex64), jnp.zeros((0,)))
+  values = (jnp.uint32(7), jnp.array([-0.0, jnp.nan, 3.0], jnp.bfloat16))
+  ordered = jax.jit(_rounding.after)(arrays, values)
+  as_bits = lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8)
+  for x, y in zip(values, ordered, strict=True):
+    np.testing.assert_array_equal(as_bits(x), as_bits(y))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's loops")
