@@ -191,7 +191,8 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
     # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
     # carry into it with probability equal to the distance to the next bfloat16.
     raised = value_bits + (bits >> 16)
-    # A NaN stays one: the carry out of a NaN whose mantissa is all ones makes -0 or 0.
+    # A NaN stays one: a carry out of its mantissa would make it ±0, and a mantissa that
+    # lies in the lower half alone would be cut off, making it ±inf.
     raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)
     if read_after and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
       raised = jax.lax.bitcast_convert_type(raised & np.uint32(0xFFFF0000), jnp.float32)
