@@ -1,22 +1,20 @@
-"""Runs every ```python block of Markdown documents and every code cell of notebooks: each
-document's code in order, in a namespace of its own.
+"""Runs every ```python block of Markdown documents: each document's blocks in order, in a
+namespace of its own.
 
-Usage: code_blocks.py [--report REPORT.json] DOCUMENT [DOCUMENT ...], each a `.md` or an
-`.ipynb`. The documents run one after another in this process (JAX starts once); a document
-whose code raises is reported with its traceback and the next one runs. A notebook runs in a
-new temporary working directory (its cells may write files), as "Run all" in a fresh kernel
-would run it; a Markdown document in this process's. The exit status is 1 if any failed;
-`--report` writes `{document's name: null, or the traceback}`. `test_docs.py` runs it in a
-subprocess that forces 8 CPU devices (README's distributed examples use them).
+Usage: code_blocks.py [--report REPORT.json] DOCUMENT [DOCUMENT ...]. The documents run one
+after another in this process (JAX starts once); a document whose code raises is reported
+with its traceback and the next one runs. The exit status is 1 if any failed; `--report`
+writes `{document's name: null, or the traceback}`. `test_docs.py` runs it in a subprocess
+that forces 8 CPU devices (README's distributed examples use them). The notebooks run in
+the docs' build (myst-nb), as "Run all" in a fresh kernel; `blocks` reads their code cells
+too (`test_docs.py` checks what they import).
 """
 
 import argparse
-import contextlib
 import json
 import pathlib
 import re
 import sys
-import tempfile
 import traceback
 
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -37,25 +35,12 @@ def blocks(path: pathlib.Path) -> list[tuple[str, str]]:
   return found
 
 
-@contextlib.contextmanager
-def working_directory(path: pathlib.Path):
-  """A new temporary working directory while a notebook runs (its cells may write files);
-  this process's own for a Markdown document."""
-  if path.suffix != ".ipynb":
-    yield
-    return
-  with tempfile.TemporaryDirectory() as directory, contextlib.chdir(directory):
-    yield
-
-
 def run(path: pathlib.Path) -> None:
-  """Runs the code of `path` in order, in one new namespace (a notebook in a new temporary
-  working directory)."""
+  """Runs the blocks of `path` in order, in one new namespace."""
   namespace = {"__name__": "__main__"}
-  code_blocks = blocks(path)  # read before a notebook's working directory replaces this one
-  with working_directory(path):
-    for where, code in code_blocks:
-      exec(compile(code, f"{path.name}, {where}", "exec"), namespace)  # noqa: S102
+  code_blocks = blocks(path)
+  for where, code in code_blocks:
+    exec(compile(code, f"{path.name}, {where}", "exec"), namespace)  # noqa: S102
   if "matplotlib.pyplot" in sys.modules:  # the next document starts without this one's figures
     sys.modules["matplotlib.pyplot"].close("all")
   print(f"ran {len(code_blocks)} blocks of {path.name}", flush=True)

@@ -7,14 +7,12 @@ sequences; the full demo's numbers are in the README.
 
 import contextlib
 import io
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from code_blocks import run as run_document
 from flax import nnx
 
 import jax_lossscale as jls
@@ -29,8 +27,6 @@ TINY = transformer.Config(steps=3, batch=8, context=16, layers=3)
 # gaps are in docs/backward-pass.md.
 SMALL = transformer.Config(steps=30, batch=32, context=32)
 TOLERANCE = 0.03
-# It trains two of the demo's runs at SMALL's sizes.
-NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "transformer.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +232,3 @@ def test_the_float8_runs_are_planned_and_stepped_with_their_recipe(data, tokens)
   plain = transformer.make_step(graphdef, False, jnp.bfloat16)
   assert "f8_" not in str(jax.make_jaxpr(plain)(state, tokens))
 
-
-def test_the_notebook_runs_top_to_bottom(demo_run):
-  # After `demo_run`, in this process: the notebook's training runs are two of the demo's,
-  # at its sizes, so their programs are already compiled.
-  run_document(NOTEBOOK)
