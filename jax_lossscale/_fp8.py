@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -97,11 +98,16 @@ class Float8Recipe:
       raise ValueError(f"`granularity` must be one of {GRANULARITIES}, got {self.granularity!r}.")
     for argument in ("lhs_format", "rhs_format", "grad_format"):
       object.__setattr__(self, argument, _float8_format(getattr(self, argument), argument))
-    if not isinstance(self.min_size, int) or isinstance(self.min_size, bool) or self.min_size < 1:
+    if (not isinstance(self.min_size, numbers.Integral) or isinstance(self.min_size, bool)
+        or self.min_size < 1):
       raise ValueError(f"`min_size` must be a positive int, got {self.min_size!r}.")
+    object.__setattr__(self, "min_size", int(self.min_size))  # a NumPy integer as an int
     if self.filter_fn is not None and not callable(self.filter_fn):
       raise TypeError(f"`filter_fn` must be None or a function of a Float8Matmul, got "
                       f"{self.filter_fn!r}.")
+    if not isinstance(self.power_of_two_scales, bool):
+      raise TypeError(f"`power_of_two_scales` must be True or False, got "
+                      f"{self.power_of_two_scales!r}.")
     if not isinstance(self.convolutions, bool):
       raise TypeError(f"`convolutions` must be True or False, got {self.convolutions!r}.")
 
@@ -234,9 +240,10 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array
   """`(factor, inverse)`: the float32 factor that takes a tensor of largest magnitude `amax`
   just inside `fmt`'s largest value (by 2**-20, so that rounding never takes it past), and
   what divides it out of a product (exactly for a power of two, within an ulp otherwise);
-  1 and 1 where `amax` is 0, not finite (what is scaled stays non-finite, and the next
-  call computes its scale afresh) or, per tensor, so small (below about 5e-36) that the
-  inverse would not be a normal float32 (powers of two stop at `2**126` there).
+  1 and 1 where `amax` is 0 or not finite (what is scaled stays non-finite, and the next
+  call computes its scale afresh). Below about 5e-36, where the inverse would not be a
+  normal float32, `2**126` and `2**-126`: the tensor is scaled as far as float32 allows,
+  not up to the format's largest value (as the powers of two are).
 
   The inverse is computed from `amax`, not as `1 / factor`: XLA:CPU computes a divide
   read by two kernels as a kernel of its own, one per scale of every matmul, each compiled
@@ -248,9 +255,16 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array
     return _power_of_two_scale(amax, largest)
   one = lax.full_like(amax, 1)
   inverse = lax.mul(amax, np.float32(1) / largest)
-  usable = lax.bitwise_and(lax.ge(inverse, np.float32(2.0**-126)),  # NaN fails both
-                           lax.lt(inverse, np.float32(np.inf)))
-  return lax.select(usable, lax.div(largest, amax), one), lax.select(usable, inverse, one)
+  normal = lax.ge(inverse, np.float32(2.0**-126))  # NaN fails it, and the next
+  usable = lax.bitwise_and(normal, lax.lt(inverse, np.float32(np.inf)))
+  # Positive and finite by its bits: some XLA:CPU versions compare a subnormal as zero.
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  tiny = lax.bitwise_and(lax.bitwise_not(normal), lax.bitwise_and(
+      lax.gt(bits, np.int32(0)), lax.lt(bits, np.int32(0x7F800000))))
+  factor = lax.select(tiny, lax.full_like(amax, 2.0**126), one)
+  smallest = lax.select(tiny, lax.full_like(amax, 2.0**-126), one)
+  return (lax.select(usable, lax.div(largest, amax), factor),
+          lax.select(usable, inverse, smallest))
 
 
 def _power_of_two_scale(amax: jax.Array, largest: np.float32) -> tuple:

@@ -29,14 +29,16 @@ TENSORS = ("lhs", "rhs", "gradient for lhs", "gradient for rhs")
 # The product each tensor enters, whose error its row reports.
 _PRODUCT = {"lhs": "forward", "rhs": "forward", "gradient for lhs": "lhs gradient",
             "gradient for rhs": "rhs gradient"}
+_FORWARD = ("lhs", "rhs", "forward")  # measured by the forward pass
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8TensorReadiness:
   """One tensor of one matmul a float8 recipe would take, and what each recipe does to it.
 
-  Counts and sums are over every time the matmul ran (a loop body's, at each iteration;
-  an operand that does not change in the loop may be measured once). A convolution,
+  Counts and sums are over every time the matmul ran: a loop body's at each iteration
+  (its operands that do not change in the loop too), a checkpointed one's once though its
+  forward pass runs again in the backward pass. A convolution,
   measured with `convolutions=True`, is a matmul here: its input is `"lhs"`, its kernel
   `"rhs"`.
 
@@ -159,7 +161,8 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
   def record(index: int, kind: str, stats: dict) -> None:
     for i, value in stats.items():
-      total = totals.setdefault((index, kind, names[i]), {})
+      total = totals.setdefault((index, kind, names[i]), {"calls": 0})
+      total["calls"] += 1
       for field, number in (value._asdict() if isinstance(value, _fp8.TensorStats)
                             else {"squared": value[0], "rows": value[1]}).items():
         combine = np.max if field == "amax" else np.sum
@@ -184,13 +187,35 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
 def _recipe_names(recipes: Any) -> tuple[str, ...]:
   names = tuple(recipes) if isinstance(recipes, (list, tuple)) else ()
-  if not names or any(not isinstance(name, str) or name not in _fp8.RECIPES for name in names):
-    raise ValueError(f"`recipes` must be a non-empty list or tuple of names from "
+  if (not names or any(not isinstance(name, str) or name not in _fp8.RECIPES for name in names)
+      or len(set(names)) < len(names)):
+    raise ValueError(f"`recipes` must be a non-empty list or tuple of distinct names from "
                      f"{tuple(_fp8.RECIPES)}, got {recipes!r}.")
   return names
 
 
+def _once_per_run(totals: dict, names: tuple) -> dict:
+  """`totals` with each forward measurement counted once for each time its matmul ran
+  (with a gradient, each backward pass of it; else each forward product). Inside
+  `jax.checkpoint` (`nnx.remat`, a rematerialized loop body) the forward pass runs again
+  in the backward pass, measurements and all, on the same values; and JAX may measure an
+  operand that does not change in a loop once, outside it, where the loop's recomputed
+  forward pass measures it at every iteration. Each forward measurement's sums are
+  therefore taken as their mean over its calls times the number of runs: exact wherever
+  the calls beyond the runs repeat the same values, as in both cases."""
+  runs = {}
+  for (index, kind, name), total in totals.items():
+    if kind == "forward" and name == names[0]:
+      backward = totals.get((index, "lhs gradient", name), {"calls": 0})["calls"]
+      runs[index] = backward or total["calls"]
+  return {(index, kind, name): total if kind not in _FORWARD else {
+      field: number if field in ("amax", "calls") else number / total["calls"] * runs[index]
+      for field, number in total.items()} for (index, kind, name), total in totals.items()}
+
+
 def _rows(matmuls: list, totals: dict, names: tuple, error_limit: float) -> tuple:
+  totals = _once_per_run(totals, names)
+
   def error(index, product, name):
     sums = totals[index, product, name]
     return float(np.sqrt(sums["squared"] / sums["rows"])) if sums["rows"] else 0.0
@@ -209,8 +234,8 @@ def _rows(matmuls: list, totals: dict, names: tuple, error_limit: float) -> tupl
       first = stats[names[0]]
       rows.append(Fp8TensorReadiness(
           index, matmul.name_scope, matmul.lhs_shape, matmul.rhs_shape, tensor,
-          int(first["size"]), float(first["amax"]),
-          {name: int(stats[name]["flushed"]) for name in names},
-          {name: int(stats[name]["saturated"]) for name in names},
+          round(first["size"]), float(first["amax"]),
+          {name: round(stats[name]["flushed"]) for name in names},
+          {name: round(stats[name]["saturated"]) for name in names},
           {name: error(index, _PRODUCT[tensor], name) for name in names}, recommended))
   return tuple(rows)

@@ -236,18 +236,31 @@ def test_a_zero_or_non_finite_amax_gives_scale_one():
 
 
 def test_a_tiny_amax_takes_the_largest_scale_whose_inverse_is_a_normal_float():
-  # Per tensor, an inverse below 2**-126 would be flushed to zero (XLA:CPU flushes
-  # subnormals): scale 1. Per row, powers of two stop at 2**126, still inside the format.
+  # An inverse below 2**-126 would be flushed to zero (XLA:CPU flushes subnormals): both
+  # ways, scales stop at 2**126, the tensor still inside the format, not up to its largest.
   amax = jnp.array([1e-40, 2e-36, 1e-30])
-  factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two=False))
-  assert factor[0] == factor[1] == inverse[0] == inverse[1] == 1.0
-  assert factor[2] * 1e-30 == pytest.approx(448, rel=1e-5)
-  factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two=True))
-  np.testing.assert_array_equal(factor, [2.0**126, 2.0**126, 2.0**108])
+  for power_of_two in (False, True):
+    factor, inverse = map(np.asarray, _fp8.scale(amax, E4M3, power_of_two))
+    np.testing.assert_array_equal(factor[:2], [2.0**126, 2.0**126])
+    np.testing.assert_array_equal(inverse[:2], [2.0**-126, 2.0**-126])
+    assert factor[2] * 1e-30 == pytest.approx(448, rel=1e-5 if not power_of_two else 0.5)
+  np.testing.assert_array_equal(factor, [2.0**126, 2.0**126, 2.0**108])  # powers of two
   np.testing.assert_array_equal(inverse * factor, 1.0)
   x = jnp.full((32, 64), 2e-36).at[1:].set(1.0)  # one row of tiny values
   out = jls.autocast(lambda x, w: x @ w, jnp.float32, fp8="rowwise")(x, jnp.ones((64, 16)))
   assert float(out[0, 0]) == pytest.approx(64 * 2e-36, rel=0.1)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", _fp8.Float8Recipe("row")])
+def test_a_matmul_of_values_below_5e_36_is_not_flushed_to_zero(recipe):
+  # Tiny activations times huge weights: a finite float32 product of about 3e-6, at
+  # float8's error with every recipe (before, "tensorwise" gave all zeros).
+  x = jax.random.normal(jax.random.key(0), (32, 64)) * 1e-37
+  w = jax.random.normal(jax.random.key(1), (64, 32)) * 1e30
+  out = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8=recipe)(x, w)
+  reference = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  error = np.linalg.norm(np.asarray(out, np.float64) - reference) / np.linalg.norm(reference)
+  assert error < 0.06
 
 
 @pytest.mark.parametrize("power_of_two", [False, True])
@@ -452,9 +465,21 @@ def test_an_unknown_granularity_is_refused():
     jls.Float8Recipe(granularity="column")
 
 
-def test_a_min_size_that_is_not_a_positive_int_is_refused():
-  with pytest.raises(ValueError, match="`min_size`.*0"):
-    jls.Float8Recipe(min_size=0)
+@pytest.mark.parametrize("value", ["no", None, 0.5, 1])
+def test_power_of_two_scales_that_is_not_a_bool_is_refused_naming_it(value):
+  with pytest.raises(TypeError, match=r"`power_of_two_scales` must be True or False, got "):
+    _fp8.Float8Recipe(power_of_two_scales=value)
+
+
+@pytest.mark.parametrize("value", [0, -16, 16.0, True, "16"])
+def test_a_min_size_that_is_not_a_positive_int_is_refused(value):
+  with pytest.raises(ValueError, match=f"`min_size` must be a positive int, got {value!r}"):
+    jls.Float8Recipe(min_size=value)
+
+
+def test_a_min_size_may_be_a_numpy_integer():
+  assert jls.Float8Recipe(min_size=np.int64(32)).min_size == 32
+  assert type(jls.Float8Recipe(min_size=np.int64(32)).min_size) is int
 
 
 def test_the_named_recipes_are_torchaos():

@@ -107,6 +107,37 @@ def test_a_matmul_in_a_loop_is_counted_at_every_iteration():
 
   report = jls.diagnostics.fp8_readiness(f, X, W)
   assert [r.size for r in report.rows if r.tensor == "lhs"] == [3 * X.size, 3 * X.size // 2]
+  # The weight does not change in the loop: counted at every iteration all the same.
+  assert [r.size for r in report.rows if r.tensor == "rhs"] == [3 * W.size, 3 * W.size]
+
+
+def _counts(report):
+  return [(r.matmul, r.tensor, r.size, r.flushed, r.saturated, r.error) for r in report.rows]
+
+
+@pytest.mark.parametrize("where", ["around the loss", "around the loop's body"])
+def test_a_checkpointed_matmul_is_counted_once_though_its_forward_pass_runs_twice(report, where):
+  # jax.checkpoint runs the forward pass again in the backward pass, measurements and all.
+  assert _counts(jls.diagnostics.fp8_readiness(jax.checkpoint(loss), X, W)) == _counts(report)
+
+  def looped(x, w, body):
+    h, _ = lax.scan(body, x, None, length=3)
+    return jnp.sum(h)
+
+  body = lambda h, _: (jnp.tanh(h @ w @ w.T), None)  # noqa: E731
+  w = W
+  plain = jls.diagnostics.fp8_readiness(lambda x, w: looped(x, w, body), X, W)
+  if where == "around the loss":
+    checkpointed = jax.checkpoint(lambda x, w: looped(x, w, body))
+  else:
+    checkpointed = lambda x, w: looped(x, w, jax.checkpoint(body))  # noqa: E731
+  assert _counts(jls.diagnostics.fp8_readiness(checkpointed, X, W)) == _counts(plain)
+
+
+def test_a_matmul_no_gradient_reaches_keeps_its_forward_counts(report):
+  stopped = jls.diagnostics.fp8_readiness(
+      lambda x, w: jnp.sum(lax.stop_gradient(x @ w) * C) + jnp.sum(x) + jnp.sum(w), X, W)
+  assert _counts(stopped) == [c for c in _counts(report) if c[1] in ("lhs", "rhs")]
 
 
 def test_the_report_prints_one_line_per_tensor(report):
@@ -120,6 +151,7 @@ def test_the_report_prints_one_line_per_tensor(report):
     ({"recipes": ()}, r"`recipes`.*\(\)"),
     ({"recipes": "rowwise"}, "`recipes`.*'rowwise'"),
     ({"recipes": ("tensorwise", "columnwise")}, "`recipes`.*'columnwise'"),
+    ({"recipes": ("rowwise", "rowwise")}, r"distinct names.*\('rowwise', 'rowwise'\)"),
     ({"error_limit": -0.1}, r"`error_limit`.*-0\.1"),
     ({"error_limit": float("nan")}, "`error_limit`.*nan"),
 ])
