@@ -255,7 +255,7 @@ def scale(amax: jax.Array, fmt: np.dtype, power_of_two: bool) -> tuple[jax.Array
     return _power_of_two_scale(amax, largest)
   one = lax.full_like(amax, 1)
   inverse = lax.mul(amax, np.float32(1) / largest)
-  normal = lax.ge(inverse, np.float32(2.0**-126))  # NaN fails it, and the next
+  normal = lax.ge(inverse, np.float32(2.0**-126))  # False for NaN
   usable = lax.bitwise_and(normal, lax.lt(inverse, np.float32(np.inf)))
   # Positive and finite by its bits: some XLA:CPU versions compare a subnormal as zero.
   bits = lax.bitcast_convert_type(amax, jnp.int32)
