@@ -120,17 +120,16 @@ def test_a_checkpointed_matmul_is_counted_once_though_its_forward_pass_runs_twic
   # jax.checkpoint runs the forward pass again in the backward pass, measurements and all.
   assert _counts(jls.diagnostics.fp8_readiness(jax.checkpoint(loss), X, W)) == _counts(report)
 
-  def looped(x, w, body):
-    h, _ = lax.scan(body, x, None, length=3)
+  def looped(x, w, remat_body=False):
+    body = lambda h, _: (jnp.tanh(h @ w @ w.T), None)  # noqa: E731
+    h, _ = lax.scan(jax.checkpoint(body) if remat_body else body, x, None, length=3)
     return jnp.sum(h)
 
-  body = lambda h, _: (jnp.tanh(h @ w @ w.T), None)  # noqa: E731
-  w = W
-  plain = jls.diagnostics.fp8_readiness(lambda x, w: looped(x, w, body), X, W)
+  plain = jls.diagnostics.fp8_readiness(looped, X, W)
   if where == "around the loss":
-    checkpointed = jax.checkpoint(lambda x, w: looped(x, w, body))
+    checkpointed = jax.checkpoint(looped)
   else:
-    checkpointed = lambda x, w: looped(x, w, jax.checkpoint(body))  # noqa: E731
+    checkpointed = lambda x, w: looped(x, w, remat_body=True)  # noqa: E731
   assert _counts(jls.diagnostics.fp8_readiness(checkpointed, X, W)) == _counts(plain)
 
 
