@@ -52,7 +52,36 @@ def check_state_dtype(state_dtype: Any) -> np.dtype | None:
     raise ValueError("`state_dtype` must be a floating dtype such as jnp.bfloat16 (or None "
                      f"to keep the inner optimizer's dtypes), got "
                      f"{repr(state_dtype) if dtype is None else dtype.name}.")
+  if _numerics.has_short_range(dtype):
+    raise ValueError(
+        "`state_dtype` must have float32's exponent range (jnp.bfloat16, jnp.float32 or "
+        f"jnp.float64), got {dtype.name}: {_SHORT_RANGE_STATE}")
   return dtype
+
+
+# Why optimizer state is never kept in float16 or float8 by this module's writes.
+_SHORT_RANGE_STATE = (
+    "an optimizer's second moment holds squared gradients, which float16 flushes to zero "
+    "below about 2.4e-4 and overflows above 256, float8 sooner (Adam's step then silently "
+    "grows about 20x, or the parameter stops moving).")
+
+
+def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None) -> None:
+  """Refuses an inner state of float16 or float8 arrays (the moments of float16
+  parameters) where this module would write it: with a `rounding` other than "nearest"
+  and no `state_dtype`. Computed in float32 and written back, such a moment would fail
+  silently where optax's own float16 arithmetic fails loudly (every step skipped)."""
+  if rounding == "nearest" or state_dtype is not None:
+    return
+  short = sorted({x.dtype.name for x in jax.tree.leaves(inner_state)
+                  if _kept(x) and _trees.is_array(x) and _numerics.has_short_range(x.dtype)})
+  if short:
+    raise ValueError(
+        f"loss_scaling(..., rounding={rounding!r}): the inner optimizer keeps "
+        f"{' and '.join(short)} state (the moments of parameters of that dtype), which "
+        f"this rounding would write back in it: {_SHORT_RANGE_STATE} Pass "
+        "`state_dtype=jnp.bfloat16` (or jnp.float32) to keep it in a dtype with float32's "
+        "range.")
 
 
 def is_narrow(x: Any) -> bool:
@@ -185,8 +214,12 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
   for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
     seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
   value_bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
-  # A bijection of uniform bits: still uniform, and other where the values differ.
-  bits = _mix(_positions(exact.shape) + seed) ^ value_bits
+  # The position times an odd multiplier of the seed's, not plus the seed alone: else
+  # every leaf at every step would read a window of one sequence, `_mix(0 .. 2**32)`, and
+  # two windows that overlap (seeds closer than the leaves' sizes) would draw the same
+  # bits, shifted. Then a bijection of uniform bits: still uniform, and other where the
+  # values differ.
+  bits = _mix(_positions(exact.shape) * (seed | np.uint32(1)) + seed) ^ value_bits
   if jnp.dtype(dtype) == jnp.bfloat16:
     # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
     # carry into it with probability equal to the distance to the next bfloat16.
@@ -199,7 +232,11 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
       return raised.astype(dtype)
     return jax.lax.bitcast_convert_type((raised >> 16).astype(jnp.uint16), jnp.bfloat16)
   near = exact.astype(dtype)
-  toward = jnp.where(near.astype(jnp.float32) < exact, jnp.inf, -jnp.inf).astype(dtype)
+  # The neighbour on `exact`'s side: toward ±inf, or ±max where `dtype` has no inf
+  # (float8_e4m3fn's inf would be NaN, and every entry would stay `near`).
+  has_inf = np.isinf(np.array(np.inf).astype(dtype).astype(np.float32))
+  limit = np.inf if has_inf else float(jnp.finfo(dtype).max)
+  toward = jnp.where(near.astype(jnp.float32) < exact, limit, -limit).astype(dtype)
   other = jnp.nextafter(near, toward)
   distance = (exact - near.astype(jnp.float32)) / (other.astype(jnp.float32)
                                                    - near.astype(jnp.float32))

@@ -650,19 +650,25 @@ def loss_scaling(
       dtype is computed in float32 too, from float32 gradients (in bfloat16, Adam's decay
       0.999 is 1.0), and written back in it stochastically (to nearest, a moving average
       whose change is below half a spacing, Adam's `nu` decaying by 0.001, would never
-      move). float32 parameters are written as they are. `update` returns updates,
+      move). That state is refused in float16 or float8 (the moments of float16
+      parameters: squared gradients underflow there): give those a `state_dtype`.
+      float32 parameters are written as they are. `update` returns updates,
       which `optax.apply_updates` would round to nearest: with `"stochastic"` or
       `"compensated"` it refuses parameters narrower than float32 (and `params=None`);
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
       momentum; not scalars such as injected hyperparameters, nor integer counts) are
-      kept in, e.g. `jnp.bfloat16`. The optimizer computes in float32 inside the step,
-      narrower gradients widened (so the updates `update` returns are float32;
-      `optax.apply_updates` casts them to each parameter's dtype); its new state is
-      written back stochastically, whatever `rounding` (to nearest, a moment's decay
-      below half a spacing would be lost). None (the default) keeps the
-      optimizer's own dtypes.
+      kept in, e.g. `jnp.bfloat16`; one with float32's exponent range (float16 and
+      float8 are refused: a second moment holds squared gradients). Every such array:
+      an optimizer that keeps a copy of the parameters in its state
+      (`optax.contrib.mechanize`'s `x0`, `prodigy`'s) keeps it in `state_dtype` too,
+      rounded (mechanize then barely trains in bfloat16): leave those at None. The
+      optimizer computes in float32 inside the step, narrower gradients widened (so the
+      updates `update` returns are float32; `optax.apply_updates` casts them to each
+      parameter's dtype); its new state is written back stochastically, whatever
+      `rounding` (to nearest, a moment's decay below half a spacing would be lost). None
+      (the default) keeps the optimizer's own dtypes.
 
   Returns:
     A `LossScalingTransformation`; extra keyword arguments other than `loss` and `probes`
@@ -737,6 +743,7 @@ class _Step:
                         "parameters (their compensation buffers start at zero), got None.")
       compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
     inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None)
+    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,

@@ -14,6 +14,7 @@ from helpers import force_branch
 
 import jax_lossscale as jls
 from jax_lossscale import _jax_internals
+from jax_lossscale import _rounding
 
 ROUNDINGS = ("nearest", "stochastic", "compensated")
 
@@ -42,6 +43,31 @@ def test_an_unknown_rounding_is_refused_naming_the_argument_and_the_value():
 def test_a_state_dtype_that_is_not_floating_is_refused(state_dtype, shown):
   with pytest.raises(ValueError, match=rf"`state_dtype`.*got {shown}"):
     jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_state_dtype_without_float32s_range_is_refused(state_dtype):
+  # Adam's nu squares the gradients: in float16 those below about 2.4e-4 are zero there.
+  name = jnp.dtype(state_dtype).name
+  with pytest.raises(ValueError, match=rf"`state_dtype`.*jnp.bfloat16.*got {name}"):
+    jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_float16_moments_that_a_rounding_would_write_are_refused_at_init(rounding):
+  params = {"w": jnp.ones(8, jnp.float16), "b": jnp.ones(2)}
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding)
+  with pytest.raises(ValueError, match=r"float16 state.*`state_dtype=jnp.bfloat16`"):
+    tx.init(params)
+  # In bfloat16 the moments train (a gradient of 1e-4 squared is 1e-8, zero in float16).
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  _, state = tx.apply_gradients({"w": jnp.full(8, 1e-4, jnp.float16), "b": jnp.ones(2)},
+                                state, params)
+  assert float(state.inner_state[0].nu["w"][0]) == pytest.approx(1e-3 * 1e-8, rel=2**-7)
+  # No state to write: float16 parameters under SGD are taken.
+  jls.loss_scaling(optax.sgd(1e-3), jls.NoOpLossScale(), rounding=rounding).init(params)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
@@ -75,7 +101,10 @@ def test_a_state_of_another_rounding_is_refused_naming_restore_state():
 
 
 @pytest.mark.parametrize("dtype, update", [(jnp.bfloat16, 1e-3), (jnp.bfloat16, -1e-3),
-                                           (jnp.float16, 3e-4), (jnp.float16, -3e-4)])
+                                           (jnp.float16, 3e-4), (jnp.float16, -3e-4),
+                                           (jnp.float8_e5m2, 3e-2), (jnp.float8_e5m2, -3e-2),
+                                           # no inf to round toward
+                                           (jnp.float8_e4m3fn, 1e-2), (jnp.float8_e4m3fn, -1e-2)])
 def test_stochastic_rounding_is_unbiased_over_entries(dtype, update):
   n = 16384
   params, _ = sgd_step("stochastic", {"w": jnp.ones(n, dtype)}, {"w": jnp.full(n, update)})
@@ -106,6 +135,18 @@ def test_stochastic_rounding_draws_other_bits_at_each_step():
   tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="stochastic")
   again, _ = tx.apply_gradients({"w": jnp.full(4096, -2e-3)}, state, params)  # from 1.0 again
   assert not np.array_equal(np.asarray(first["w"]), np.asarray(again["w"]))
+
+
+def test_leaves_whose_seeds_differ_by_less_than_their_size_draw_independent_bits():
+  # Seeds that differ by 962: had the seed been added to the position alone, the second
+  # leaf's entry k would round as the first's entry k + 962, every time.
+  n, exact = 4096, jnp.full(4096, 1.0 + 2**-9)  # a quarter of the way to the next value
+  up = [np.asarray(_rounding.stochastic(exact, jnp.ones(n, jnp.bfloat16), jnp.uint32(seed)),
+                   np.float32) > 1.0 for seed in (1000, 1000 + 962)]
+  agree = np.mean(up[1][:n - 962] == up[0][962:])
+  independent = 0.25**2 + 0.75**2
+  standard_error = np.sqrt(independent * (1 - independent) / (n - 962))
+  assert abs(agree - independent) < 4 * standard_error, agree
 
 
 def test_compensated_writes_reach_the_bfloat16_nearest_the_exact_sum():
@@ -245,7 +286,6 @@ def test_a_bfloat16_gradient_enters_the_moments_in_float32():
 
 
 def test_rounding_to_the_nearest_bfloat16_by_integers_matches_the_convert_bit_for_bit():
-  from jax_lossscale import _rounding
   bits = np.random.default_rng(0).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
   special = [0, 0x80000000, 0x00000001, 0x00007FFF, 0x00008000, 0x00018000,  # subnormal ties
              0x3F808000, 0x3F818000, 0x3F807FFF,  # ties to even, down and up; below a tie
@@ -266,7 +306,6 @@ def test_stochastic_bfloat16_by_integers_matches_the_convert_of_its_upper_half(m
   # The two forms of `stochastic`'s last step: the float32 upper half taken by integer
   # operations, or cleared below and converted (where `after` is a data dependency). A NaN
   # stays one, whatever its bits, though the random carry out of its mantissa overflows.
-  from jax_lossscale import _rounding
   monkeypatch.setattr(_jax_internals, "BARRIERS_ORDER_IN_PLACE_WRITES", False)
   bits = np.random.default_rng(1).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
   special = [0, 0x80000000, 0x00000001, 0x0000FFFF, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF,
@@ -287,7 +326,6 @@ def test_stochastic_bfloat16_by_integers_matches_the_convert_of_its_upper_half(m
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float32])
 def test_arrays_computed_by_one_loop_come_back_bit_for_bit(dtype):
-  from jax_lossscale import _rounding
   width = jnp.dtype(dtype).itemsize * 8
   unsigned = jnp.dtype(f"uint{width}")
   every = np.random.default_rng(2).integers(0, 2**width, (3, 4096), dtype=np.uint64)
@@ -305,7 +343,9 @@ def test_each_branch_writes_compensated_parameters_of_every_narrow_dtype_alike(d
   # The CPU branch writes in place (a float4 leaf, 4 bits in a byte, not by `in_one_loop`).
   params = {"w": jnp.linspace(-1.0, 1.0, 64).astype(dtype), "v": jnp.full((3,), 0.5, dtype)}
   grads = jax.tree.map(lambda p: jnp.linspace(-0.3, 0.2, p.size, dtype=jnp.float32), params)
-  tx = jls.loss_scaling(optax.adam(1e-1), jls.NoOpLossScale(), rounding="compensated")
+  # The moments in bfloat16: kept in float16 or float8 they are refused (their range).
+  tx = jls.loss_scaling(optax.adam(1e-1), jls.NoOpLossScale(), rounding="compensated",
+                        state_dtype=jnp.bfloat16)
   written = []
   for name in ("cpu", "default"):
     with force_branch(name):
@@ -320,7 +360,6 @@ def test_each_branch_writes_compensated_parameters_of_every_narrow_dtype_alike(d
 def test_after_with_a_data_dependency_changes_no_value(monkeypatch):
   # jax 0.10.2's form: whatever the first entries it reads (NaN, inf, complex), the values
   # come back bit for bit, and a value reads no array that varies where it does not.
-  from jax_lossscale import _rounding
   monkeypatch.setattr(_jax_internals, "BARRIERS_ORDER_IN_PLACE_WRITES", False)
   arrays = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf], jnp.bfloat16),
             jnp.array([complex(np.nan, np.inf)], jnp.complex64), jnp.zeros((0,)))
