@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_lossscale import _transform
 from jax_lossscale import _trees
@@ -77,10 +78,29 @@ def _restore_tree(saved: Any, path: tuple, like: Any) -> Any:
     value = _find(saved, full)
     where = jax.tree_util.keystr(full)
     if value is _MISSING:
+      held = (repr(target) if isinstance(target, _SCALARS) else
+              f"{target.dtype}{list(target.shape)}")
       raise ValueError(f"restore_state: the checkpoint has no value at `{where}`, which "
-                       f"`like` holds ({target.dtype}{list(target.shape)}).")
+                       f"`like` holds ({held}).")
+    if isinstance(target, _SCALARS):  # a Python number (flax TrainState's `step`)
+      return _scalar_like(np.asarray(value), target, where)
     return _leaf_like(jnp.asarray(value), target, where)
   return jax.tree_util.tree_map_with_path(leaf, like)
+
+
+_SCALARS = (bool, int, float, complex)
+
+
+def _scalar_like(value: np.ndarray, target: Any, where: str) -> Any:
+  """The checkpoint's 0-d `value` as a Python number of `target`'s type."""
+  if value.shape != ():
+    raise ValueError(f"restore_state: the checkpoint's `{where}` has shape {value.shape}, "
+                     f"`like`'s is a Python {type(target).__name__}.")
+  kind = {bool: "b", int: "biu", float: "biuf", complex: "biufc"}[type(target)]
+  if value.dtype.kind not in kind:
+    raise ValueError(f"restore_state: the checkpoint's `{where}` is {value.dtype}, "
+                     f"`like`'s a Python {type(target).__name__}.")
+  return type(target)(value.item())
 
 
 def _find(node: Any, path: tuple) -> Any:

@@ -115,3 +115,17 @@ def test_a_leaf_of_another_shape_is_refused_naming_the_path():
   like = jls.loss_scaling(optax.adam(1e-3)).init({"w": jnp.zeros(5), "b": jnp.zeros(2)})
   with pytest.raises(ValueError, match=r"`\.inner_state\[0\]\.mu\['w'\]`.*\(4,\).*\(5,\)"):
     jls.restore_state(state, like=like)
+
+
+def test_a_flax_train_state_whose_step_is_a_python_int_restores_from_msgpack():
+  from jax_lossscale.flax import TrainState
+  tx = jls.loss_scaling(optax.adam(1e-2), rounding="compensated", state_dtype=jnp.bfloat16)
+  params = {"w": jnp.linspace(-1.0, 1.0, 8).astype(jnp.bfloat16), "b": jnp.zeros(2)}
+  fresh = TrainState.create(apply_fn=None, params=params, tx=tx)  # step: the int 0
+  trained = fresh.apply_gradients(grads=jax.tree.map(jnp.ones_like, params))
+  saved = serialization.msgpack_restore(serialization.to_bytes(trained))
+  restored = jls.restore_state(saved, like=fresh)
+  assert type(restored.step) is int and restored.step == 1
+  chex.assert_trees_all_equal(restored.replace(step=0), trained.replace(step=0))
+  with pytest.raises(ValueError, match=r"`\.step`.*float64.*Python int"):
+    jls.restore_state({**saved, "step": 1.5}, like=fresh)
