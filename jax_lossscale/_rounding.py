@@ -104,7 +104,8 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
   `in_place`: the form whose results replace the donated inputs on CPU. There a
   compensated leaf's new parameter and buffer come out of one loop (`in_one_loop`), and
   the leaves are written one after another (`after`), so that one leaf's outputs at a
-  time wait to be copied over the old ones. Elsewhere XLA fuses the sum into both writes.
+  time wait to be copied over the old ones; with jax 0.10.2 a stochastic leaf's too (see
+  `stochastic`). Elsewhere XLA fuses the sum into both writes.
   """
   if rounding == "nearest":
     return _trees.apply_updates(params, updates), compensation
@@ -131,9 +132,12 @@ def write_params(params: Any, updates: Any, rounding: str, compensation: Any,
       new_buffers.append(residual)
       previous = (written, residual)
     else:
+      if in_place and previous and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
+        p = after(previous, p)
       exact = p.astype(jnp.float32) + u.astype(jnp.float32)
       written = stochastic(exact, p, leaf_seeds[index], read_after=in_place)
       new_buffers.append(c)
+      previous = (written,)
     new.append(written)
   compensation = None if compensation is None else treedef.unflatten(new_buffers)
   return treedef.unflatten(new), compensation
@@ -205,11 +209,13 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
   `read_after`: the result is one of the `arrays` that `after` orders other writes after.
   A bfloat16 result is taken as float32's upper half, by integer operations, where XLA:CPU
   would otherwise round it a second time in a convert (a fifth of the time of a step
-  written stochastically, at 10**7 entries on a 2-core CPU). But where `after` is a data
-  dependency (jax 0.10.2), it reads the result's first entry, and XLA recomputes that
-  entry from the inputs unless the write ends in an operation it counts as expensive:
-  there the convert is kept, so that the entry read is the one written and the writes it
-  orders wait for it."""
+  written stochastically, at 10**7 entries on a 2-core CPU). Where `after` is a data
+  dependency (jax 0.10.2) it reads the result's first entry, and XLA would recompute that
+  entry from the inputs (the integer operations are cheap), leaving the writes it orders
+  unordered: there the result comes out of `in_one_loop`, whose loop XLA computes once,
+  and waits in a temporary of its size to be copied over the old parameter (so
+  `write_params` writes such leaves one after another).
+  """
   dtype = old.dtype if dtype is None else dtype
   for axis in sorted(_jax_internals.varying_axes(jax.typeof(old)), key=str):
     seed = _mix(seed ^ jax.lax.axis_index(axis).astype(jnp.uint32))  # this shard's bits
@@ -227,10 +233,10 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
     # A NaN stays one: a carry out of its mantissa would make it ±0, and a mantissa that
     # lies in the lower half alone would be cut off, making it ±inf.
     raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)
+    out = jax.lax.bitcast_convert_type((raised >> 16).astype(jnp.uint16), jnp.bfloat16)
     if read_after and not _jax_internals.BARRIERS_ORDER_IN_PLACE_WRITES:
-      raised = jax.lax.bitcast_convert_type(raised & np.uint32(0xFFFF0000), jnp.float32)
-      return raised.astype(dtype)
-    return jax.lax.bitcast_convert_type((raised >> 16).astype(jnp.uint16), jnp.bfloat16)
+      return in_one_loop(out)[0]
+    return out
   near = exact.astype(dtype)
   # The neighbour on `exact`'s side: toward ±inf, or ±max where `dtype` has no inf
   # (float8_e4m3fn's inf would be NaN, and every entry would stay `near`).
