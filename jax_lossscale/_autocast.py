@@ -16,7 +16,8 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
     over devices;
   - TensorFlow's deny list (`Exp`, `Expm1`, `Pow`, `Sum`, `Mean`, `L2Loss`, the softmax
     cross-entropies), which adds nothing new;
-  - `integer_pow` and `square` (a variance's squares of a few hundred overflow float16),
+  - `integer_pow`, `square` and a `mul` of a value by itself (`jnp.linalg.norm`, an RMS
+    norm's `mean(h * h)`: squares of a few hundred overflow float16),
     `exp2`, `logistic` (PyTorch's `binary_cross_entropy_with_logits`, `softplus`), and the
     special functions that overflow or cancel in float16 (`lgamma`, `digamma`, `igamma`,
     `erfc`, ...). TensorFlow runs `Log`, `Softmax` and `Sigmoid` in float16 when their
@@ -24,7 +25,8 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
     not promise;
   - `reduce_max` and `reduce_min`, whose derivative counts the ties with a sum.
 - **A bias added to a matmul's result** (`x @ w + b`: an `add` of a matmul's or
-  convolution's result and a smaller operand broadcast over it) runs in the matmul's
+  convolution's result and a smaller operand broadcast over it along every axis but the
+  output features; not an attention mask, which varies over the queries) runs in the matmul's
   dtype, as PyTorch's `linear` adds its bias; its derivative broadcasts in float32, so
   that the sum over the rows that differentiates it runs in float32, as does that of any
   value an `add` or `sub` in float16 or bfloat16 broadcasts (`_bind_summing_in_float32`).
@@ -52,7 +54,8 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
   combiner is a program typed by the traced dtype), host callbacks, and linear solves
   (`custom_linear_solve`: `jnp.linalg.solve`, `jnp.linalg.inv`,
   `jax.scipy.sparse.linalg.cg`: a solve's factorization or iterations would lose their
-  accuracy in float16).
+  accuracy in float16), and the factorizations and Fourier transforms that JAX
+  implements for float32 and wider only (`eigh`, `svd`, `qr`, `lu`, `fft`, `complex`...).
 
 A gather reads its table as it is: an embedding lookup from a float32 table gathers
 float32 rows, and its backward pass scatter-adds float32 cotangents.
@@ -88,6 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _eager
 from jax_lossscale import _fp8
 from jax_lossscale import _jax_internals as internals
 from jax_lossscale import _numerics
@@ -111,6 +115,11 @@ AS_TRACED = frozenset({
     "scatter_min", "scatter-max", "scatter_max", "reduce", "reduce_window",
     "select_and_scatter", "pure_callback", "io_callback", "debug_callback",
     "custom_linear_solve",
+    # Linear algebra and Fourier transforms, which JAX implements for float32 and wider
+    # only (float16 operands are refused deep inside JAX): in float32, as traced.
+    "cholesky", "cholesky_update", "eig", "eigh", "svd", "qr", "geqrf", "geqp3",
+    "householder_product", "lu", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve",
+    "triangular_solve", "symmetric_product", "fft", "complex",
 })
 
 # Activation functions whose value never exceeds their operand's magnitude by more than a
@@ -159,11 +168,14 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   `checkpoint`, custom derivatives and `shard_map`; `precision_summary` shows what ran
   where.
 
-  `fun` is traced on every call, as `jax.jit` traces it (Python control flow on array
-  values is not possible: the error names `fun`, its line and the arguments the value
-  depends on, as `jax.jit`'s does), then run operation by operation: call the result under
-  `jax.jit` (or inside a jitted step), where this happens once. What `fun` changes in
-  flax NNX modules it is given (batch statistics, RNG counts) is written back to them.
+  `fun` is traced as `jax.jit` traces it (Python control flow on array values is not
+  possible: the error names `fun`, its line and the arguments the value depends on, as
+  `jax.jit`'s does), then run operation by operation. Called outside any transformation,
+  it runs as one program compiled once per signature of its arguments (their structure,
+  shapes and dtypes, their leaves that are not arrays), as `jax.jit` would; inside one
+  (`grad`, `vmap`, a jitted step), it is traced again at each trace of that one. What
+  `fun` changes in flax NNX modules it is given (batch statistics, RNG counts) is written
+  back to them.
   A custom derivative rule (`custom_jvp`, `custom_vjp`) is kept: under differentiation,
   its rule replaces its autocast function (a `custom_jvp` rule's operations autocast in
   turn, a `custom_vjp`'s at their traced precision). The operations that
@@ -196,8 +208,7 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
   recipe = _fp8.as_recipe(fp8, dtype)
 
-  @functools.wraps(fun)
-  def autocast_fun(*args, **kwargs):
+  def interpreted(args, kwargs):
     arrays, replace = _trees.replaceable((args, kwargs), _trees.is_array)
 
     def traced(*new_arrays):
@@ -213,6 +224,17 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
     return out
+
+  # Called outside any transformation, as one program compiled once per signature of the
+  # arguments: interpreted anew, the jitted functions inside (`jax.nn.relu`) would be new
+  # programs, compiled again at every call.
+  compiled = _eager.CompiledBySignature(interpreted)
+
+  @functools.wraps(fun)
+  def autocast_fun(*args, **kwargs):
+    if _eager.traced((args, kwargs)):
+      return interpreted(args, kwargs)
+    return compiled(args, kwargs)
 
   autocast_fun._jls_autocast_dtype = dtype  # read by `compute_dtype_of`
   return autocast_fun
@@ -301,7 +323,7 @@ class _Interpreter:
       return self._unknown(op, operands)
     if name in MATMUL:
       return self._matmul(op, operands)
-    if name in FLOAT32:
+    if name in FLOAT32 or _is_square(op):
       return op.bind([_cast(x, np.dtype(jnp.float32)) if _castable(x) else x
                       for x in operands])
     if op.multiple_results:  # each result its operand's own (a barrier, a sort)
@@ -518,12 +540,30 @@ def _bind_summing_in_float32(op: internals.Operation, operands: list, cast: list
 
 def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   """Whether operand `i` is a bias added to a matmul's result (`x @ w + b`, a convolution's
-  too): broadcast over it, and so part of the matmul, as PyTorch's `linear`."""
+  too): broadcast over it along every axis but the output features (the last axis where
+  the result was reshaped or transposed since), and so part of the matmul, as PyTorch's
+  `linear`. An attention mask added to the scores (`q @ k.T + mask`, broadcast over the
+  batch and the heads but varying over the queries too) is not one: added in float16,
+  its -1e9 would be -inf, and a row of them NaN after the softmax."""
   if op.name != "add" or len(operands) != 2:
     return False
-  result = operands[1 - i]
-  return (op.origin(1 - i).primitive in MATMUL and _is_floating(result)
-          and math.prod(jnp.shape(operands[i])) < math.prod(jnp.shape(result)))
+  result, origin = operands[1 - i], op.origin(1 - i)
+  if origin.primitive not in MATMUL or not _is_floating(result):
+    return False
+  shape, full = jnp.shape(operands[i]), jnp.shape(result)
+  features = origin.features if origin.features is not None else (len(full) - 1,)
+  if len(shape) != len(full) or math.prod(shape) >= math.prod(full):
+    return False
+  return all(size == 1 for axis, size in enumerate(shape) if axis not in features)
+
+
+def _is_square(op: internals.Operation) -> bool:
+  """Whether `op` multiplies a value by itself (`x * x`: `jnp.linalg.norm`'s squares, an
+  RMS norm's `mean(h * h)`), a square as `square` and `integer_pow` are: in float32."""
+  if op.name != "mul" or len(op.eqn.invars) != 2:
+    return False
+  a, b = op.eqn.invars
+  return a is b and not internals.is_literal(a)
 
 
 def _is_filled(op: internals.Operation, operands: list, i: int) -> bool:

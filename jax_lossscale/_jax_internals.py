@@ -411,9 +411,29 @@ class Origin:
       for the program's inputs and constants.
     constant: for a constant of the program (a literal such as `x * 1e5`, a closed-over
       array, a `jnp.float32(...)` scalar) its value, a concrete array; else None.
+    features: for a matmul's or convolution's result as it came out (not reshaped,
+      transposed or broadcast since), the axes of its output features (those of
+      `dot_general`'s right-hand side, a convolution's output feature dimension); else
+      None.
   """
   primitive: str | None = None
   constant: Any = None
+  features: tuple[int, ...] | None = None
+
+
+def output_features(eqn: Any) -> tuple[int, ...] | None:
+  """The axes of a matmul's or convolution's result (`eqn`'s) that are its output
+  features; None for other primitives."""
+  name, out = eqn.primitive.name, eqn.outvars[0].aval.ndim
+  if name == "dot_general":
+    (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    first = len(lhs_batch) + eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
+    return tuple(range(first, out))
+  if name == "conv_general_dilated":
+    return (eqn.params["dimension_numbers"].out_spec[1],)
+  if name in ("ragged_dot", "ragged_dot_general"):
+    return (out - 1,)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,7 +607,10 @@ def evaluate(program: Program, args: list, run: Callable[[Any, list], list],
         if not isinstance(v, _core.Literal) and last_use.get(v, -1) <= done:
           env.pop(v, None)
       done += 1
-  return [read(v) for v in jaxpr.outvars]
+  # An output that is a literal of the program (`jnp.array(False)` returned as is) as an
+  # array, as `jax.jit` returns it, not a Python scalar or JAX's private literal types.
+  return [jnp.asarray(v.val) if isinstance(v, _core.Literal) else env[v]
+          for v in jaxpr.outvars]
 
 
 def operations(program: Program) -> list[Operation | Call]:
@@ -612,7 +635,10 @@ def operations(program: Program) -> list[Operation | Call]:
     name = eqn.primitive.name
     rearranged = sources and (name in _REARRANGING or (
         name == "convert_element_type" and sources[0].constant is not None))
-    result = sources[0] if rearranged else Origin(name)
+    if rearranged:  # its axes moved: a matmul's feature axes are no longer known
+      result = dataclasses.replace(sources[0], features=None)
+    else:
+      result = Origin(name, features=output_features(eqn))
     origins.update((v, result) for v in eqn.outvars)
   return _calls(made, {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
 

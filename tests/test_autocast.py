@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import linen
 from flax import nnx
+from helpers import count_compiles
 from helpers import dtypes_of
 from helpers import forward_dtypes
 from jax import lax
@@ -45,6 +46,35 @@ def test_matmuls_run_in_compute_dtype_and_the_outputs_keep_their_dtypes():
   assert out.dtype == F32
   assert dtypes_of(ran, "dot_general") == {"float16"}
   assert dtypes_of(ran, "dot_general", backward=True) == {"float16"}
+
+
+def test_outputs_that_are_constants_come_back_as_arrays_as_jit_returns_them():
+  # equinox's BatchNorm returns its `first_time` flag as a constant of the program.
+  f = lambda x: (x, jnp.array(False), 2.0, jnp.float32(3.0), jnp.int32(4))
+  called, jitted = jls.autocast(f)(jnp.ones(2)), jax.jit(f)(jnp.ones(2))
+  assert all(isinstance(x, jax.Array) for x in called)
+  assert [(x.dtype, x.weak_type) for x in called] == [(x.dtype, x.weak_type) for x in jitted]
+
+
+def test_called_without_jit_it_compiles_once_and_nnx_state_is_written_back():
+  # Interpreted anew at each call, its jitted functions (`relu`, `log_softmax`) were new
+  # programs, compiled again every time.
+  from flax import nnx
+
+  model = nnx.Sequential(nnx.Linear(4, 16, rngs=nnx.Rngs(0)), nnx.BatchNorm(16, rngs=nnx.Rngs(0)))
+  f = jls.autocast(lambda m, x: jnp.mean(jax.nn.log_softmax(jax.nn.relu(m(x)), axis=-1)))
+  first = f(model, X)
+  with count_compiles() as compiles:
+    for _ in range(5):
+      again = f(model, X)
+  assert compiles == [] and again.dtype == F32 and float(again) == float(first)
+  # The running statistics moved at each of the six calls, as eagerly called layers move them.
+  reference = nnx.Sequential(nnx.Linear(4, 16, rngs=nnx.Rngs(0)),
+                             nnx.BatchNorm(16, rngs=nnx.Rngs(0)))
+  for _ in range(6):
+    reference(X)
+  np.testing.assert_allclose(model.layers[1].mean[...], reference.layers[1].mean[...],
+                             rtol=1e-2, atol=1e-3)
 
 
 def test_convolutions_run_in_compute_dtype_forward_and_backward():

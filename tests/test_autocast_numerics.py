@@ -175,6 +175,81 @@ def test_a_bias_added_to_a_matmuls_result_keeps_the_compute_dtype(name):
   np.testing.assert_allclose(out, fun(*args), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("masked", [-1e9, float(jnp.finfo(jnp.float32).min)])
+def test_an_additive_attention_mask_is_not_a_bias_and_a_fully_masked_row_stays_finite(masked):
+  # The mask varies over the queries: added in float16 its -1e9 is -inf, and a row of
+  # them (a padding query) would give NaN after the softmax, forward and backward.
+  q, k = jax.random.normal(KEYS[0], (2, 8, 16)), jax.random.normal(KEYS[1], (2, 8, 16))
+  mask = jnp.where(jnp.tril(jnp.ones((8, 8), bool)).at[0].set(False), 0.0, masked)
+
+  def attention(q, k, mask):
+    return jnp.sum(jax.nn.softmax(q @ k.transpose(0, 2, 1) + mask, axis=-1) ** 2)
+
+  ran = jls.precision_summary(jls.autocast(attention), q, k, mask)
+  assert dtypes_of(ran, "add") == {"float32"}
+  np.testing.assert_allclose(jls.autocast(attention)(q, k, mask), attention(q, k, mask),
+                             rtol=1e-3)
+  grads = jax.grad(jls.autocast(attention), argnums=(0, 1))(q, k, mask)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+def test_flax_attention_with_a_padding_bias_stays_finite():
+  class Attention(linen.Module):
+    @linen.compact
+    def __call__(self, x, bias):
+      q, k, v = (linen.DenseGeneral((4, 4))(x) for _ in range(3))
+      return linen.dot_product_attention(q, k, v, bias=bias)
+
+  ids = jnp.array([[1, 2, 3, 0, 0, 0, 0, 0]] * 4)
+  bias = jnp.where(linen.make_attention_mask(ids > 0, ids > 0) > 0, 0.0, -1e10)
+  x = jax.random.normal(KEYS[0], (4, 8, 16))
+  model = Attention()
+  variables = model.init(KEYS[1], x, bias)
+  out = jax.jit(jls.autocast(model.apply))(variables, x, bias)
+  assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(out, model.apply(variables, x, bias), rtol=3e-2, atol=3e-2)
+
+
+def test_a_value_multiplied_by_itself_is_squared_in_float32():
+  # `jnp.linalg.norm` and an RMS norm's `mean(h * h)` square by `mul`: in float16 a
+  # matmul's result above 256 squares to inf (an RMS norm then gives zeros, no NaN).
+  x, w = jax.random.normal(KEYS[0], (2, 64)) * 30, jax.random.normal(KEYS[1], (64, 32))
+
+  def norm(x, w):
+    return jnp.linalg.norm(x @ w, axis=-1)
+
+  def rms_norm(x, w):
+    h = x @ w
+    return h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+  for fun in (norm, rms_norm):
+    assert float(jnp.max(jnp.abs(x @ w))) > 256
+    ran = jls.precision_summary(jls.autocast(fun), x, w)
+    assert dtypes_of(ran, "mul") >= {"float32"}
+    np.testing.assert_allclose(jls.autocast(fun)(x, w), fun(x, w), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float16, jnp.bfloat16])
+def test_linear_algebra_and_fourier_transforms_of_a_matmuls_result_run_in_float32(
+    compute_dtype):
+  # JAX implements them for float32 and wider: float16 operands were refused inside it.
+  x, w = jax.random.normal(KEYS[0], (16, 16)), jax.random.normal(KEYS[1], (16, 16)) / 4
+  functions = {
+      "eigh": lambda x, w: jnp.linalg.eigh((x @ w) @ (x @ w).T)[0],
+      "svd": lambda x, w: jnp.linalg.svd(x @ w, compute_uv=False),
+      "qr": lambda x, w: jnp.abs(jnp.diagonal(jnp.linalg.qr(x @ w)[1])),
+      "det": lambda x, w: jnp.linalg.slogdet(x @ w)[1],
+      "rfft": lambda x, w: jnp.abs(jnp.fft.rfft(x @ w, axis=-1)),
+      "complex": lambda x, w: jnp.abs(lax.complex(x @ w, x @ w)),
+  }
+  for name, fun in functions.items():
+    out = jax.jit(jls.autocast(fun, compute_dtype))(x, w)
+    assert out.dtype == jnp.float32, name
+    tolerance = 5e-3 if compute_dtype == jnp.float16 else 3e-2  # the matmuls' rounding
+    np.testing.assert_allclose(out, fun(x, w), rtol=tolerance, atol=tolerance * 10,
+                               err_msg=name)
+
+
 @pytest.mark.parametrize("activation", [jax.nn.relu, linen.relu, nnx.relu],
                          ids=["jax.nn.relu", "flax linen relu", "flax nnx relu"])
 def test_relu_after_a_biased_layer_keeps_float16_and_its_own_derivative(activation):
