@@ -540,10 +540,11 @@ def _bind_summing_in_float32(op: internals.Operation, operands: list, cast: list
 
 def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   """Whether operand `i` is a bias added to a matmul's result (`x @ w + b`, a convolution's
-  too): broadcast over it along every axis but the output features (the last axis where
-  the result was reshaped or transposed since), and so part of the matmul, as PyTorch's
-  `linear`. An attention mask added to the scores (`q @ k.T + mask`, broadcast over the
-  batch and the heads but varying over the queries too) is not one: added in float16,
+  too): broadcast over it along every axis but the free axes of one of the matmul's
+  operands (the weight's: flax computes `x @ w`, equinox `w @ x`; the last axis where a
+  reshape merged axes since), and so part of the matmul, as PyTorch's `linear`. An
+  attention mask added to the scores (`q @ k.T + mask`, varying over the queries and the
+  keys, the free axes of both operands, or over the batch) is not one: added in float16,
   its -1e9 would be -inf, and a row of them NaN after the softmax."""
   if op.name != "add" or len(operands) != 2:
     return False
@@ -551,10 +552,11 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   if origin.primitive not in MATMUL or not _is_floating(result):
     return False
   shape, full = jnp.shape(operands[i]), jnp.shape(result)
-  features = origin.features if origin.features is not None else (len(full) - 1,)
   if len(shape) != len(full) or math.prod(shape) >= math.prod(full):
     return False
-  return all(size == 1 for axis, size in enumerate(shape) if axis not in features)
+  groups = origin.features if origin.features is not None else ((len(full) - 1,),)
+  varying = {axis for axis, size in enumerate(shape) if size != 1}
+  return any(varying <= set(group) for group in groups)
 
 
 def _is_square(op: internals.Operation) -> bool:

@@ -411,28 +411,58 @@ class Origin:
       for the program's inputs and constants.
     constant: for a constant of the program (a literal such as `x * 1e5`, a closed-over
       array, a `jnp.float32(...)` scalar) its value, a concrete array; else None.
-    features: for a matmul's or convolution's result as it came out (not reshaped,
-      transposed or broadcast since), the axes of its output features (those of
-      `dot_general`'s right-hand side, a convolution's output feature dimension); else
-      None.
+    features: for a matmul's or convolution's result (followed through transposes,
+      squeezes and broadcasts), its groups of feature axes: `dot_general`'s free axes of
+      its left-hand operand and those of its right-hand one, a convolution's output
+      feature axis; else None (also where a reshape merged or split them).
   """
   primitive: str | None = None
   constant: Any = None
-  features: tuple[int, ...] | None = None
+  features: tuple[tuple[int, ...], ...] | None = None
 
 
-def output_features(eqn: Any) -> tuple[int, ...] | None:
-  """The axes of a matmul's or convolution's result (`eqn`'s) that are its output
-  features; None for other primitives."""
+def _moved_axes(eqn: Any, groups: tuple[tuple[int, ...], ...] | None
+                ) -> tuple[tuple[int, ...], ...] | None:
+  """Where each group of axes of a rearranging operation's (`eqn`'s) operand is in its
+  result (axes of size 1 it drops left out); None where unknown (a reshape that merges or
+  splits axes)."""
+  if groups is None:
+    return None
+  name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
+  if name in ("copy", "copy_p", "rev"):
+    where = {axis: axis for axis in range(len(shape))}
+  elif name == "transpose":
+    where = {old: new for new, old in enumerate(eqn.params["permutation"])}
+  elif name == "broadcast_in_dim":
+    where = dict(enumerate(eqn.params["broadcast_dimensions"]))
+  elif name in ("squeeze", "reshape", "expand_dims"):  # axes of size 1 dropped or added
+    new_shape = eqn.outvars[0].aval.shape
+    kept = [i for i, size in enumerate(shape) if size != 1]
+    new_kept = [i for i, size in enumerate(new_shape) if size != 1]
+    if [shape[i] for i in kept] != [new_shape[i] for i in new_kept]:
+      return None
+    where = dict(zip(kept, new_kept, strict=True))
+  else:
+    return None
+  return tuple(tuple(sorted(where[axis] for axis in group if axis in where))
+               for group in groups)
+
+
+def output_features(eqn: Any) -> tuple[tuple[int, ...], ...] | None:
+  """The groups of feature axes of a matmul's or convolution's result (`eqn`'s): the free
+  axes of `dot_general`'s left-hand operand and those of its right-hand one (the layout of
+  its result: batch, left free, right free); a convolution's output feature axis. None
+  for other primitives."""
   name, out = eqn.primitive.name, eqn.outvars[0].aval.ndim
   if name == "dot_general":
     (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-    first = len(lhs_batch) + eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
-    return tuple(range(first, out))
+    first = len(lhs_batch)
+    right = first + eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
+    return (tuple(range(first, right)), tuple(range(right, out)))
   if name == "conv_general_dilated":
-    return (eqn.params["dimension_numbers"].out_spec[1],)
+    return ((eqn.params["dimension_numbers"].out_spec[1],),)
   if name in ("ragged_dot", "ragged_dot_general"):
-    return (out - 1,)
+    return ((out - 1,),)
   return None
 
 
@@ -635,8 +665,9 @@ def operations(program: Program) -> list[Operation | Call]:
     name = eqn.primitive.name
     rearranged = sources and (name in _REARRANGING or (
         name == "convert_element_type" and sources[0].constant is not None))
-    if rearranged:  # its axes moved: a matmul's feature axes are no longer known
-      result = dataclasses.replace(sources[0], features=None)
+    if rearranged:  # its axes moved: a matmul's feature axes with them, where known
+      result = dataclasses.replace(sources[0],
+                                   features=_moved_axes(eqn, sources[0].features))
     else:
       result = Origin(name, features=output_features(eqn))
     origins.update((v, result) for v in eqn.outvars)

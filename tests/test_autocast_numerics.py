@@ -154,6 +154,7 @@ def biased_layers():
   linen_dense, linen_conv = LinenBiased(), LinenConv()
   nnx_linear = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
   eqx_linear = eqx.nn.Linear(32, 16, key=KEYS[2])
+  eqx_conv = eqx.nn.Conv2d(8, 8, 3, padding=1, key=KEYS[2])  # squeezes its batch of one
   return {
       "flax linen Dense": (lambda v, x: linen_dense.apply(v, x),
                            (linen_dense.init(KEYS[2], X), X)),
@@ -161,11 +162,13 @@ def biased_layers():
                           (linen_conv.init(KEYS[2], X.reshape(8, 8, 4, 8)), X)),
       "flax nnx Linear": (lambda m, x: jnp.tanh(m(x)), (nnx_linear, X)),
       "equinox Linear": (lambda m, x: jnp.tanh(jax.vmap(m)(x)), (eqx_linear, X)),
+      "equinox Conv2d": (lambda m, x: jnp.tanh(jax.vmap(m)(x.reshape(8, 8, 8, 4))),
+                         (eqx_conv, X)),
   }
 
 
 @pytest.mark.parametrize("name", ["flax linen Dense", "flax linen Conv", "flax nnx Linear",
-                                  "equinox Linear"])
+                                  "equinox Linear", "equinox Conv2d"])
 def test_a_bias_added_to_a_matmuls_result_keeps_the_compute_dtype(name):
   fun, args = biased_layers()[name]
   ran = jls.precision_summary(jls.autocast(lambda *a: jnp.sum(fun(*a))), *args)
