@@ -26,7 +26,8 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
   - `reduce_max` and `reduce_min`, whose derivative counts the ties with a sum.
 - **A bias added to a matmul's result** (`x @ w + b`: an `add` of a matmul's or
   convolution's result and a smaller operand broadcast over it along every axis but the
-  output features; not an attention mask, which varies over the queries) runs in the matmul's
+  free axes of one of its operands, the weight's; not an attention mask, which varies
+  over the queries and the keys) runs in the matmul's
   dtype, as PyTorch's `linear` adds its bias; its derivative broadcasts in float32, so
   that the sum over the rows that differentiates it runs in float32, as does that of any
   value an `add` or `sub` in float16 or bfloat16 broadcasts (`_bind_summing_in_float32`).
