@@ -22,6 +22,7 @@ from jax_lossscale._transform import COUNTS
 from jax_lossscale._transform import LossScalingState
 
 _MISSING = object()
+_SCALARS = (bool, int, float, complex)  # Python numbers in `like` (a TrainState's step)
 
 
 def restore_state(saved: Any, like: Any) -> Any:
@@ -86,9 +87,6 @@ def _restore_tree(saved: Any, path: tuple, like: Any) -> Any:
       return _scalar_like(np.asarray(value), target, where)
     return _leaf_like(jnp.asarray(value), target, where)
   return jax.tree_util.tree_map_with_path(leaf, like)
-
-
-_SCALARS = (bool, int, float, complex)
 
 
 def _scalar_like(value: np.ndarray, target: Any, where: str) -> Any:
