@@ -58,6 +58,7 @@ What is read, and why:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import pathlib
@@ -372,6 +373,21 @@ def _scopes(eqn: Equation | None = None) -> tuple[str, ...]:
 # The name scope JAX gives the operations a checkpoint computes again in the backward pass.
 _RECOMPUTED = "rematted_computation"
 
+# The name scopes of the operation whose program `bind_rewritten` is tracing again: JAX
+# traces a loop body, a branch or a jitted function's program with its name scopes
+# starting over, relative to the operation that holds it.
+_ENCLOSING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "jax_lossscale_enclosing_scopes", default=())
+
+
+def _current_scopes() -> tuple[str, ...]:
+  """The names of the name scopes being traced in now, outermost first, those of the
+  operations whose programs hold this one included (`_ENCLOSING`)."""
+  outer, inner = _ENCLOSING.get(), _scopes()
+  if inner[:len(outer)] == outer:  # a checkpoint's program: scoped as a whole
+    return inner
+  return (*outer, *inner)
+
 
 def _source_of(eqn: Equation) -> Any:
   """Binds in `eqn`'s name scope (`jax.named_scope`, flax's module paths: profiles and
@@ -448,12 +464,19 @@ def _moved_axes(eqn: Any, groups: tuple[tuple[int, ...], ...] | None
                for group in groups)
 
 
+_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot",
+                      "ragged_dot_general"})
+
+
 def output_features(eqn: Any) -> tuple[tuple[int, ...], ...] | None:
   """The groups of feature axes of a matmul's or convolution's result (`eqn`'s): the free
   axes of `dot_general`'s left-hand operand and those of its right-hand one (the layout of
   its result: batch, left free, right free); a convolution's output feature axis. None
   for other primitives."""
-  name, out = eqn.primitive.name, eqn.outvars[0].aval.ndim
+  name = eqn.primitive.name
+  if name not in _MATMULS:  # some have no results (flax's nn.scan binds one with jax 0.10)
+    return None
+  out = eqn.outvars[0].aval.ndim
   if name == "dot_general":
     (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
     first = len(lhs_batch)
@@ -461,9 +484,7 @@ def output_features(eqn: Any) -> tuple[tuple[int, ...], ...] | None:
     return (tuple(range(first, right)), tuple(range(right, out)))
   if name == "conv_general_dilated":
     return ((eqn.params["dimension_numbers"].out_spec[1],),)
-  if name in ("ragged_dot", "ragged_dot_general"):
-    return ((out - 1,),)
-  return None
+  return ((out - 1,),)  # a ragged dot's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -865,7 +886,7 @@ class Operation:
   def name_scope(self) -> str:
     """Its name scope (`jax.named_scope`s, flax's module paths) without the marks of the
     transformations around it (`jvp(...)`, `transpose(...)`), "" if none."""
-    return "/".join(_scopes())  # `evaluate` runs it in its scope
+    return "/".join(_current_scopes())  # `evaluate` runs it in its scope
 
   def in_scope(self) -> contextlib.AbstractContextManager:
     """A context in which what is traced takes its name scope and source, as `bind`'s:
@@ -896,6 +917,14 @@ class Operation:
     A `shard_map` is applied anew through `jax.shard_map` (its program is traced in the
     manual axes' context); other operations bind with re-traced programs.
     """
+    enclosing = _ENCLOSING.set(_current_scopes())  # its programs' name scopes start over
+    try:
+      return self._bind_rewritten(operands, interpret, retyped)
+    finally:
+      _ENCLOSING.reset(enclosing)
+
+  def _bind_rewritten(self, operands: list, interpret: Callable[[Program, list], list],
+                      retyped: bool) -> list | None:
     params = self.eqn.params
     if self.name == "shard_map":
       body = lambda *args: tuple(interpret(params["jaxpr"], list(args)))

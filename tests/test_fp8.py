@@ -507,6 +507,62 @@ def test_filter_fn_sees_flax_linen_module_paths():
   assert seen == ["Model/body", "Model/head"]
 
 
+def test_filter_fn_sees_the_scopes_around_a_loop_a_checkpoint_a_jit_and_a_cond():
+  seen = set()
+  recipe = jls.Float8Recipe.from_name(
+      "tensorwise", filter_fn=lambda matmul: seen.add(matmul.name_scope) or True)
+  ws = jnp.stack([W[:, :32], W[:, 16:]])[:, :32]
+
+  def fun(ws, x):
+    with jax.named_scope("decoder"):
+      with jax.named_scope("scanned"):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+      with jax.named_scope("rematted"):
+        h = jax.checkpoint(lambda h: h @ ws[1])(h)
+      with jax.named_scope("jitted"):
+        h = jax.jit(lambda h: h @ ws[0])(h)
+      with jax.named_scope("branch"):
+        h = lax.cond(True, lambda h: h @ ws[1], lambda h: h, h)
+    return jnp.sum(h)
+
+  jax.grad(jls.autocast(fun, jnp.bfloat16, fp8=recipe))(ws, X[:, :32])
+  assert seen == {"decoder/scanned", "decoder/rematted", "decoder/jitted", "decoder/branch"}
+  report = jls.diagnostics.fp8_readiness(fun, ws, X[:, :32])
+  assert {row.name_scope for row in report.rows} == seen
+
+
+def test_filter_fn_sees_the_whole_path_of_linen_remat_and_scan_modules():
+  class Head(linen.Module):
+    @linen.compact
+    def __call__(self, h):
+      return linen.Dense(48, name="proj")(h)
+
+  class Layer(linen.Module):  # with jax 0.10, flax binds a jit with no results beside it
+    @linen.compact
+    def __call__(self, h, _):
+      return linen.Dense(64, name="down")(linen.relu(linen.Dense(64, name="up")(h))), None
+
+  class Model(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      h, _ = linen.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=2)(name="layers")(x, None)
+      return linen.remat(Head)(name="head")(h)
+
+  seen = set()
+  recipe = jls.Float8Recipe.from_name(
+      "tensorwise", filter_fn=lambda matmul: seen.add(matmul.name_scope)
+      or not matmul.name_scope.startswith("Model/head"))
+  model = Model()
+  params = model.init(KEYS[3], X)
+  fun = jls.autocast(lambda p, x: jnp.sum(model.apply(p, x)), jnp.bfloat16, fp8=recipe)
+  jax.grad(fun)(params, X)
+  assert seen == {"Model/layers/up", "Model/layers/down", "Model/head/proj"}
+  summary = jls.precision_summary(fun, params, X)
+  assert {str(at.scope) for at in summary.locations("dot_general", E4M3)} == {
+      "Model/layers/up", "Model/layers/down"}
+
+
 # --- gradient accumulation and probes ----------------------------------------------------
 
 
