@@ -362,24 +362,30 @@ class _Interpreter:
     target = self.compute_dtype
     if len({_dtype(x) for x in floating}) == 1 and _numerics.is_narrow(_dtype(floating[0])):
       target = _dtype(floating[0])  # cast by hand, or by an inner autocast: kept
-    if self.fp8 is not None and target == self.compute_dtype:
-      out = _fp8.matmul(self.fp8, op, operands, target)
-      if out is not None:
-        return [out]
     traced = {kind.dtype for x, kind in zip(operands, op.inputs, strict=True)
               if _is_floating(x)}
-    params = {}
     preferred = op.param("preferred_element_type")
-    if traced != {target} and preferred is not None and jnp.issubdtype(preferred, jnp.floating):
-      params["preferred_element_type"] = target  # a result in `target`, as PyTorch's
+    preferred = (np.dtype(preferred) if preferred is not None
+                 and jnp.issubdtype(preferred, jnp.floating) else None)
+    # A result in `target`, as PyTorch's; in the program's own wider `preferred_element_type`
+    # where its operands were traced in `target` already (cast by hand).
+    result = preferred if preferred is not None and traced == {target} else target
+    if self.fp8 is not None and target == self.compute_dtype:
+      out = _fp8.matmul(self.fp8, op, operands, target, result)
+      if out is not None:
+        return [out]
+    params = {} if preferred is None else {"preferred_element_type": result}
     return op.bind([_cast(x, target) if _is_floating(x) else x for x in operands], **params)
 
   def _custom_jvp(self, op: internals.Operation, operands: list) -> list:
     """A `custom_jvp` function (`jax.nn.relu`) on its operands as they are, autocast like
     any other code (a float16 activation stays float16); its rule's program, traced on the
     traced dtypes, autocast on the primals and tangents as they are (what it keeps for the
-    backward pass stays float16 too), its tangents cast to the function's results' dtypes."""
+    backward pass stays float16 too), its tangents cast to the function's results' dtypes.
+    The rule's matmuls run in `compute_dtype`, not float8: reverse mode transposes the
+    rule's tangent matmuls, and a float8 matmul (a `custom_vjp`) cannot be transposed."""
     program = op.param("call_jaxpr")
+    in_rule = self if self.fp8 is None else dataclasses.replace(self, fp8=None)
     original = lambda *args: op.bind(_as_traced(op, list(args)))
 
     @jax.custom_jvp
@@ -391,7 +397,7 @@ class _Interpreter:
       outs = fun(*primals)
       args = _as_traced(op, list(primals)), _as_traced(op, list(tangents))
       derivative, _ = internals.trace(lambda p, t: jax.jvp(original, p, t)[1], list(args))
-      traced = self._evaluate(derivative, [*primals, *tangents])
+      traced = in_rule._evaluate(derivative, [*primals, *tangents])
       return outs, [_cast(t, _dtype(out)) if _is_floating(t) else t  # not an integer's float0
                     for t, out in zip(traced, outs, strict=True)]
 

@@ -189,11 +189,13 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
                   f"{fp8!r}.")
 
 
-def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax.Array | None:
+def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
+           result_dtype: np.dtype) -> jax.Array | None:
   """The matmul `op` (an `Operation` of `autocast`'s interpreter) on `operands` in float8
-  under `recipe`, returning `compute_dtype`; None where the recipe does not take it
-  (integer operands, a size it excludes, a convolution unless it opted in: it runs in
-  `compute_dtype`)."""
+  under `recipe`, its float32 product returned in `result_dtype` (`compute_dtype`, or a
+  wider `preferred_element_type` the program asked for); None where the recipe does not
+  take it (integer operands, a size it excludes, a convolution unless it opted in: it
+  runs in `compute_dtype`)."""
   if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
@@ -207,25 +209,31 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype) -> jax
     if not measured.runs_convolution(described, convolution):
       return None
     float8 = lambda lhs, rhs: _float8_conv(lhs, rhs, convolution, recipe, compute_dtype)
-    return _run(recipe, op, described, lhs, rhs, convolution, float8, compute_dtype)
+    return _run(recipe, op, described, lhs, rhs, convolution, float8, compute_dtype,
+                result_dtype)
   if op.name != "dot_general":
     return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
   if not measured.runs(described, dimension_numbers):
     return None
   float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
-  return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype)
+  return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype,
+              result_dtype)
 
 
 def _run(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
-         product: Any, float8: Callable, compute_dtype: np.dtype) -> jax.Array:
-  """`float8(lhs, rhs)` on the operands in `compute_dtype`, in `op`'s scope; measured
-  instead for a readiness report (`product`: a `Dot` or `Convolution`)."""
+         product: Any, float8: Callable, compute_dtype: np.dtype,
+         result_dtype: np.dtype) -> jax.Array:
+  """`float8(lhs, rhs)` (a float32 product) on the operands in `compute_dtype`, in `op`'s
+  scope, returned in `result_dtype` (the incoming gradient arrives in float32: the same
+  values); measured instead for a readiness report (`product`: a `Dot` or `Convolution`)."""
   lhs, rhs = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
   with op.in_scope():
     if isinstance(recipe, Measurement):
-      return _measured(lhs, rhs, product, recipe, recipe.add(described), compute_dtype)
-    return float8(lhs, rhs)
+      out = _measured(lhs, rhs, product, recipe, recipe.add(described))
+    else:
+      out = float8(lhs, rhs)
+    return out.astype(result_dtype)
 
 
 def _is_floating(x: Any) -> bool:
@@ -497,8 +505,8 @@ class Dot(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
-  out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
-  return out.astype(dtype)
+  """The float32 product; the operands' gradients in `dtype`."""
+  return scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
@@ -508,7 +516,7 @@ def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
     lhs = quantize(lhs, recipe.lhs_format, lhs_contract, recipe)
     rhs = quantize(rhs, recipe.rhs_format, rhs_contract, recipe)
   out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
-  return out.astype(dtype), (lhs, rhs)
+  return out, (lhs, rhs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
@@ -667,12 +675,13 @@ def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _float8_conv(lhs, rhs, convolution, recipe, dtype):
-  return scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+  """The float32 convolution; the operands' gradients in `dtype`."""
+  return scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _float8_conv_forward(lhs, rhs, convolution, recipe, dtype):
-  out = scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe).astype(dtype)
+  out = scaled_conv(lhs, rhs, convolution, recipe.lhs_format, recipe)
   if recipe.granularity == "tensor":  # the backward convolutions' operands: kept in float8
     lhs, rhs = (quantize(x, recipe.grad_format, range(x.ndim), recipe) for x in (lhs, rhs))
   return out, (lhs, rhs)
@@ -713,7 +722,8 @@ def tensor_stats(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recip
   values, _, _ = scaled(x, fmt, contract, recipe)
   largest = float(jnp.finfo(fmt).max)
   quantized = to_float8(values, fmt)
-  flushed = jnp.sum((values != 0) & (quantized == 0))
+  # Non-zero before scaling: a value far below the amax may scale to zero in float32 already.
+  flushed = jnp.sum((x != 0) & (quantized == 0))
   saturated = jnp.sum(~(jnp.abs(values) <= largest))
   return TensorStats(jnp.asarray(x.size), jnp.max(jnp.abs(x.astype(_F32))), flushed, saturated)
 
@@ -754,15 +764,15 @@ class Measurement:
     jax.debug.callback(functools.partial(self.record, index, kind), stats)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _measured(lhs, rhs, products, measurement, index, dtype):
-  """The product of `lhs` and `rhs` (`products`: a `Dot` or a `Convolution`) in float32,
-  returned in `dtype`; what each recipe would do to it and to its backward products is
-  emitted, forward and backward."""
-  return _measured_forward(lhs, rhs, products, measurement, index, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _measured(lhs, rhs, products, measurement, index):
+  """The product of `lhs` and `rhs` (`products`: a `Dot` or a `Convolution`) in float32;
+  what each recipe would do to it and to its backward products is emitted, forward and
+  backward."""
+  return _measured_forward(lhs, rhs, products, measurement, index)[0]
 
 
-def _measured_forward(lhs, rhs, products, measurement, index, dtype):
+def _measured_forward(lhs, rhs, products, measurement, index):
   reference = products.product(lhs, rhs, None)
   for kind, x, contract, fmt in products.operands(lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(x, getattr(r, fmt), contract, r)
@@ -770,10 +780,10 @@ def _measured_forward(lhs, rhs, products, measurement, index, dtype):
   measurement.emit(index, "forward", {
       i: relative_error(products.product(lhs, rhs, r), reference)
       for i, r in enumerate(measurement.recipes)})
-  return reference.astype(dtype), (lhs, rhs)
+  return reference, (lhs, rhs)
 
 
-def _measured_backward(products, measurement, index, dtype, residuals, g):
+def _measured_backward(products, measurement, index, residuals, g):
   lhs, rhs = residuals
   for kind, contract in products.incoming(g, lhs, rhs):
     measurement.emit(index, kind, {i: tensor_stats(g, r.grad_format, contract, r)

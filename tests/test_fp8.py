@@ -82,13 +82,34 @@ def test_precision_summary_shows_the_float8_matmuls_forward_and_backward():
   assert "float8_e5m2" in str(summary)
 
 
+def users_of(program, eqn):
+  """`(primitive, result dtype)` of each equation of `program` reading a result of `eqn`."""
+  results = internals.results(eqn)
+  return [(internals.primitive_name(e), internals.dtype_of(internals.results(e)[0]))
+          for e in internals.equations(program)
+          if any(v is r for v in internals.operands(e) for r in results)]
+
+
 def test_the_float8_matmul_returns_compute_dtype_and_the_function_keeps_its_dtypes():
   f = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="tensorwise")
   program = jax.make_jaxpr(f)(X, W)
   assert f(X, W).dtype == F32
-  assert [internals.dtype_of(v) for e in internals.equations(program)
-          if internals.primitive_name(e) == "custom_vjp_call"
-          for v in internals.results(e)] == [BF16]
+  [call] = [e for e in internals.equations(program)
+            if internals.primitive_name(e) == "custom_vjp_call"]
+  assert [internals.dtype_of(v) for v in internals.results(call)] == [F32]  # scales divided out
+  assert users_of(program, call) == [("convert_element_type", BF16)]
+
+
+def test_a_float32_preferred_element_type_on_compute_dtype_operands_is_kept():
+  f = lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32)
+  a, b = X.astype(BF16), W.astype(BF16)
+  out = jls.autocast(f, jnp.bfloat16, fp8="tensorwise")(a, b)
+  assert out.dtype == F32
+  assert not jnp.all(out == out.astype(BF16).astype(F32))  # not rounded to bfloat16 between
+  assert relative_error(out, f(a, b)) < 0.05
+  summary = jls.precision_summary(
+      jls.autocast(lambda a, b: f(a, b) * 3.0, jnp.bfloat16, fp8="tensorwise"), a, b)
+  assert summary.count("mul", F32) >= 1 and summary.count("mul", BF16) == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -331,6 +352,29 @@ def test_fp8_inside_a_cond_and_a_checkpoint():
     return jnp.sum(lax.cond(jnp.sum(x) > -1e9, lambda h: h * C, lambda h: -h * C, h))
 
   assert_fp8_gradients_close(f, X, W)
+
+
+def test_a_custom_jvp_rules_matmuls_run_in_compute_dtype_and_the_function_differentiates():
+  @jax.custom_jvp
+  def dense_tanh(x, w):
+    return jnp.tanh(x @ w)
+
+  @dense_tanh.defjvp
+  def rule(primals, tangents):  # matmuls of the tangents, which reverse mode transposes
+    (x, w), (x_dot, w_dot) = primals, tangents
+    y = dense_tanh(x, w)
+    return y, (1 - y * y) * (x_dot @ w + x @ w_dot)
+
+  f = lambda x, w: jnp.sum(dense_tanh(x, w) * C)
+  expected = grads(f, X, W)
+  got = grads(jls.autocast(f, jnp.bfloat16, fp8="tensorwise"), X, W)
+  for g, e in zip(got, expected, strict=True):
+    assert g.dtype == F32
+    assert relative_error(g, e) < 0.02  # bfloat16's error: the rule's matmuls
+  summary = jls.precision_summary(jls.autocast(f, jnp.bfloat16, fp8="tensorwise"), X, W)
+  assert summary.count("dot_general", E4M3) == 1  # the function's own, forward
+  assert summary.count("dot_general", BF16, backward=True) >= 2  # the rule's, transposed
+  assert summary.count("dot_general", E5M2, backward=True) == 0
 
 
 def test_fp8_with_a_flax_linen_model():

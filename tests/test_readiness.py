@@ -41,7 +41,7 @@ def recount(tensor, largest, axis, power_of_two):
     factor = np.float32(2.0) ** (np.frexp(factor)[1] - 1).astype(np.float32)
   values = tensor * factor
   quantized = values.astype(FORMAT[largest]).astype(np.float32)
-  return int(np.sum((values != 0) & (quantized == 0))), int(np.sum(~(np.abs(values) <= largest)))
+  return int(np.sum((tensor != 0) & (quantized == 0))), int(np.sum(~(np.abs(values) <= largest)))
 
 
 def bfloat16(x):
@@ -68,6 +68,17 @@ def test_the_small_rows_and_columns_are_flushed_per_tensor_and_kept_per_row(repo
   assert row(report, "lhs").flushed["tensorwise"] > 0
   assert row(report, "lhs").flushed["rowwise"] == 0
   assert row(report, "gradient for lhs").flushed["tensorwise"] == 0  # e5m2 reaches 2**-16
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_value_that_scaling_takes_to_zero_in_float32_counts_as_flushed(recipe):
+  tiny = jnp.full((64, 128), 1e-37).at[0, 0].set(1e4)  # 1e-37 * 448 / 1e4 is 0 in float32
+  found = row(jls.diagnostics.fp8_readiness(loss, tiny, W), "lhs")
+  if recipe == "tensorwise":  # all but the amax
+    assert found.flushed[recipe] == recount(bfloat16(tiny), 448.0, None, False)[0]
+    assert found.flushed[recipe] == tiny.size - 1
+  else:  # the first row's others; the other rows are scaled by 2**126 (amax below 5e-36)
+    assert found.flushed[recipe] == 127
 
 
 def test_the_forward_error_is_the_float8_products_against_compute_dtypes(report):
