@@ -179,7 +179,13 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
         f"`compute_dtype` must be float16, bfloat16 or float32, got {compute_dtype!r}: an "
         "unscaled float8 matmul flushes small values to zero; pass "
         "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
-  if fp8 is None or isinstance(fp8, (Float8Recipe, Measurement)):
+  if fp8 is None:
+    return fp8
+  if np.dtype(compute_dtype).itemsize > 4:
+    raise ValueError(
+        f"`compute_dtype` must be float16, bfloat16 or float32 with `fp8`, got "
+        f"{compute_dtype!r}: the matmuls float8 does not take run in `compute_dtype`.")
+  if isinstance(fp8, (Float8Recipe, Measurement)):
     return fp8
   if isinstance(fp8, str) and fp8 not in RECIPES:
     raise ValueError(f"`fp8` must be one of {tuple(RECIPES)} or a Float8Recipe, got {fp8!r}.")

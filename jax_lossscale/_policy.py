@@ -95,7 +95,7 @@ def as_dtype(value: Any, argument: str) -> jnp.dtype:
   dtype = _dtype_or_none(value)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or not hasattr(jnp, dtype.name):
     raise ValueError(
-        f"`{argument}` must be a floating dtype (jnp.float16, 'float8_e4m3fn', ...) or one "
+        f"`{argument}` must be a floating dtype (jnp.float16, jnp.bfloat16, 'float32', ...) or one "
         f"of the names {_GRAMMAR}, got {value!r}.")
   return dtype
 

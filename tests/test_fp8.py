@@ -461,6 +461,19 @@ def test_a_float8_compute_dtype_is_refused(dtype):
     jls.autocast(loss, dtype, fp8="tensorwise")
 
 
+def test_a_float64_compute_dtype_is_refused_with_fp8():
+  with pytest.raises(ValueError, match="`compute_dtype` must be float16, bfloat16 or float32 "
+                     "with `fp8`, got dtype.'float64'."):
+    jls.autocast(loss, jnp.float64, fp8="tensorwise")
+  jls.autocast(loss, jnp.float64)  # without fp8, as before
+
+
+def test_an_integer_compute_dtype_is_refused_with_floating_examples():
+  with pytest.raises(ValueError, match=r"`compute_dtype` must be a floating dtype \(jnp.float16, "
+                     r"jnp.bfloat16, 'float32', ...\)"):
+    jls.autocast(loss, jnp.int8, fp8="tensorwise")
+
+
 @pytest.mark.parametrize("argument", ["lhs_format", "rhs_format", "grad_format"])
 def test_a_format_that_is_not_float8_is_refused_naming_it(argument):
   with pytest.raises(ValueError, match=f"`{argument}`.*bfloat16"):
