@@ -219,8 +219,10 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
     # JAX's tracing errors name `fun` and its arguments, not `traced` and `new_arrays`.
     named = internals.Named("autocast", fun, args, kwargs, tuple(arrays))
     program, out_tree = internals.trace(traced, arrays, named)
+    interpreter = _Interpreter(dtype, fp8=recipe)
     with _scope(dtype):
-      results = _Interpreter(dtype, fp8=recipe).run_program(program, arrays)
+      results = interpreter.run_program(program, arrays)
+    interpreter.warn_if_no_float8()
     out, state = jax.tree.unflatten(out_tree, results)
     for module, module_state in zip(_trees.nnx_objects((args, kwargs)), state, strict=True):
       _trees.nnx().update(module, module_state)  # batch statistics, RNG counts
@@ -276,6 +278,26 @@ class _Interpreter:
   compute_dtype: np.dtype
   fp8: Any = None
   warned: set = dataclasses.field(default_factory=set)
+  # The float8 recipe's matmuls: how many ran in float8, and where and which it refused.
+  float8: list = dataclasses.field(default_factory=list)
+  refused: list = dataclasses.field(default_factory=list)
+
+  def warn_if_no_float8(self) -> None:
+    """Warns where the recipe ran none of the matmuls it was asked about in float8 (for
+    their sizes, or by its `filter_fn`): under `jax.vmap`, autocast sees one example's
+    shapes, where a dense layer's rows are one."""
+    if not isinstance(self.fp8, _fp8.Float8Recipe) or self.float8 or not self.refused:
+      return
+    shapes = ", ".join(f"{'x'.join(map(str, m.lhs_shape))} by {'x'.join(map(str, m.rhs_shape))}"
+                       for _, m in self.refused[:4])
+    _warn_at(self.refused[0][0], (
+        f"autocast(..., fp8=...) ran no matmul in float8; it was asked about "
+        f"{len(self.refused)} ({shapes}{', ...' if len(self.refused) > 4 else ''}): "
+        f"float8 takes a matmul "
+        f"whose rows, columns and contraction are each a multiple of 16 and at least "
+        f"`min_size` ({self.fp8.min_size}), and that `filter_fn` accepts; they ran in "
+        f"{self.compute_dtype.name}. Under jax.vmap, autocast sees one example's shapes: "
+        f"put autocast outside the vmap (`jls.autocast(lambda xs: jax.vmap(f)(xs), ...)`)."))
 
   def run_program(self, program: Any, args: list) -> list:
     """`program` on `args` (of its input types), its outputs cast to its output types."""
@@ -371,8 +393,11 @@ class _Interpreter:
     # where its operands were traced in `target` already (cast by hand).
     result = preferred if preferred is not None and traced == {target} else target
     if self.fp8 is not None and target == self.compute_dtype:
-      out = _fp8.matmul(self.fp8, op, operands, target, result)
+      refused = []
+      out = _fp8.matmul(self.fp8, op, operands, target, result, refused)
+      self.refused.extend((op.source, matmul) for matmul in refused)
       if out is not None:
+        self.float8.append(op.name)
         return [out]
     params = {} if preferred is None else {"preferred_element_type": result}
     return op.bind([_cast(x, target) if _is_floating(x) else x for x in operands], **params)
@@ -385,7 +410,8 @@ class _Interpreter:
     The rule's matmuls run in `compute_dtype`, not float8: reverse mode transposes the
     rule's tangent matmuls, and a float8 matmul (a `custom_vjp`) cannot be transposed."""
     program = op.param("call_jaxpr")
-    in_rule = self if self.fp8 is None else dataclasses.replace(self, fp8=None)
+    in_rule = self if self.fp8 is None else dataclasses.replace(self, fp8=None,
+                                                                warned=self.warned)
     original = lambda *args: op.bind(_as_traced(op, list(args)))
 
     @jax.custom_jvp

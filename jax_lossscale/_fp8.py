@@ -42,9 +42,12 @@ class Float8Matmul(NamedTuple):
   """A matmul (or convolution) that a recipe's `filter_fn` is asked about.
 
   Attributes:
-    name_scope: its name scope (a flax module's path, a `jax.named_scope`), "" if none.
-    lhs_shape: its left operand's shape (a convolution's input).
-    rhs_shape: its right operand's shape (a dense layer's or a convolution's kernel).
+    name_scope: its name scope (a flax linen module's path, a `jax.named_scope`, those
+      around a loop, checkpoint or jitted function holding it included), "" if none.
+    lhs_shape: its left operand's shape (a convolution's input; equinox's weight, which
+      it multiplies by the input as `weight @ x`).
+    rhs_shape: its right operand's shape (a flax dense layer's kernel, a convolution's
+      kernel).
   """
   name_scope: str
   lhs_shape: tuple[int, ...]
@@ -196,12 +199,13 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
 
 
 def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
-           result_dtype: np.dtype) -> jax.Array | None:
+           result_dtype: np.dtype, refused: list | None = None) -> jax.Array | None:
   """The matmul `op` (an `Operation` of `autocast`'s interpreter) on `operands` in float8
   under `recipe`, its float32 product returned in `result_dtype` (`compute_dtype`, or a
   wider `preferred_element_type` the program asked for); None where the recipe does not
   take it (integer operands, a size it excludes, a convolution unless it opted in: it
-  runs in `compute_dtype`)."""
+  runs in `compute_dtype`). A `dot_general` the recipe refuses for its sizes or by its
+  `filter_fn` is appended to `refused` as a `Float8Matmul`."""
   if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
@@ -221,6 +225,8 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
     return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
   if not measured.runs(described, dimension_numbers):
+    if refused is not None:
+      refused.append(described)
     return None
   float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
   return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype,

@@ -5,6 +5,8 @@ forward matmul and of both backward matmuls), numbers against float32, and compo
 with JAX's transformations, flax, equinox and loss scaling.
 """
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -336,6 +338,19 @@ def test_vmap_of_an_fp8_function():
   f = jls.autocast(lambda x, w: x @ w, jnp.bfloat16, fp8="rowwise")
   out = jax.vmap(f, in_axes=(0, None))(xs, W)
   assert relative_error(out, jnp.einsum("bij,jk->bik", xs, W)) < 0.05
+
+
+def test_vmap_of_a_per_example_fp8_function_warns_that_it_ran_no_float8_matmul():
+  per_example = jls.autocast(lambda x, w: jnp.tanh(x @ w), jnp.bfloat16, fp8="tensorwise")
+  with pytest.warns(UserWarning, match=r"ran no matmul in float8; it was asked about 1 \(64 "
+                    r"by 64x48\).*Under jax.vmap, autocast sees one example's shapes"):
+    jax.vmap(per_example, in_axes=(0, None))(X, W)
+  batched = jls.autocast(lambda xs, w: jax.vmap(lambda x: jnp.tanh(x @ w))(xs), jnp.bfloat16,
+                         fp8="tensorwise")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    summary = jls.precision_summary(batched, X, W)
+  assert summary.count("dot_general", E4M3) == 1
 
 
 def test_fp8_inside_a_scan():
