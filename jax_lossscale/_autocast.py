@@ -278,24 +278,25 @@ class _Interpreter:
   compute_dtype: np.dtype
   fp8: Any = None
   warned: set = dataclasses.field(default_factory=set)
-  # The float8 recipe's matmuls: how many ran in float8, and where and which it refused.
+  # The float8 recipe's matmuls: those that ran in float8 (an inner autocast's too), and
+  # where and which it refused for their sizes.
   float8: list = dataclasses.field(default_factory=list)
   refused: list = dataclasses.field(default_factory=list)
 
   def warn_if_no_float8(self) -> None:
-    """Warns where the recipe ran none of the matmuls it was asked about in float8 (for
-    their sizes, or by its `filter_fn`): under `jax.vmap`, autocast sees one example's
-    shapes, where a dense layer's rows are one."""
+    """Warns where no matmul ran in float8 and the recipe refused some for their sizes:
+    under `jax.vmap`, autocast sees one example's shapes, where a dense layer's rows are
+    one."""
     if not isinstance(self.fp8, _fp8.Float8Recipe) or self.float8 or not self.refused:
       return
     shapes = ", ".join(f"{'x'.join(map(str, m.lhs_shape))} by {'x'.join(map(str, m.rhs_shape))}"
                        for _, m in self.refused[:4])
     _warn_at(self.refused[0][0], (
-        f"autocast(..., fp8=...) ran no matmul in float8; it was asked about "
-        f"{len(self.refused)} ({shapes}{', ...' if len(self.refused) > 4 else ''}): "
-        f"float8 takes a matmul "
+        f"autocast(..., fp8=...) ran no matmul in float8; it refused "
+        f"{len(self.refused)} for their sizes ({shapes}"
+        f"{', ...' if len(self.refused) > 4 else ''}): float8 takes a matmul "
         f"whose rows, columns and contraction are each a multiple of 16 and at least "
-        f"`min_size` ({self.fp8.min_size}), and that `filter_fn` accepts; they ran in "
+        f"`min_size` ({self.fp8.min_size}); they ran in "
         f"{self.compute_dtype.name}. Under jax.vmap, autocast sees one example's shapes: "
         f"put autocast outside the vmap (`jls.autocast(lambda xs: jax.vmap(f)(xs), ...)`)."))
 
@@ -380,6 +381,8 @@ class _Interpreter:
   def _matmul(self, op: internals.Operation, operands: list) -> list:
     floating = [x for x in operands if _is_floating(x)]
     if not floating or not all(map(_castable, floating)):
+      if any(_dtype(x).itemsize == 1 for x in floating):  # an inner autocast's float8
+        self.float8.append(op.name)
       return op.bind(_widest(op, operands))
     target = self.compute_dtype
     if len({_dtype(x) for x in floating}) == 1 and _numerics.is_narrow(_dtype(floating[0])):
@@ -413,17 +416,21 @@ class _Interpreter:
     in_rule = self if self.fp8 is None else dataclasses.replace(self, fp8=None,
                                                                 warned=self.warned)
     original = lambda *args: op.bind(_as_traced(op, list(args)))
+    # JAX traces `fun` and `rule` again when it differentiates them, scopes starting over.
+    scopes = internals.current_scopes()
 
     @jax.custom_jvp
     def fun(*args):
-      return self._evaluate(program, list(args))
+      with internals.enclosed_by(scopes):
+        return self._evaluate(program, list(args))
 
     @fun.defjvp
     def rule(primals, tangents):
       outs = fun(*primals)
       args = _as_traced(op, list(primals)), _as_traced(op, list(tangents))
       derivative, _ = internals.trace(lambda p, t: jax.jvp(original, p, t)[1], list(args))
-      traced = in_rule._evaluate(derivative, [*primals, *tangents])
+      with internals.enclosed_by(scopes):
+        traced = in_rule._evaluate(derivative, [*primals, *tangents])
       return outs, [_cast(t, _dtype(out)) if _is_floating(t) else t  # not an integer's float0
                     for t, out in zip(traced, outs, strict=True)]
 

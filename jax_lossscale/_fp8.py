@@ -123,22 +123,27 @@ class Float8Recipe:
 
   def runs(self, matmul: Float8Matmul, dimension_numbers: Any) -> bool:
     """Whether `matmul` runs in float8 under this recipe."""
+    return self.fits(matmul, dimension_numbers) and self._accepts(matmul)
+
+  def fits(self, matmul: Float8Matmul, dimension_numbers: Any) -> bool:
+    """Whether `matmul`'s rows, columns and contraction are sizes float8 takes."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     rows = _size(matmul.lhs_shape, lhs_contract, lhs_batch)
     contraction = math.prod(matmul.lhs_shape[axis] for axis in lhs_contract)
     columns = _size(matmul.rhs_shape, rhs_contract, rhs_batch)
-    return self._takes(matmul, (rows, contraction, columns))
+    return self._fit((rows, contraction, columns))
 
   def runs_convolution(self, matmul: Float8Matmul, convolution: Convolution) -> bool:
     """Whether the convolution `matmul` runs in float8 under this recipe (its input and
     output features counted)."""
     lhs_spec, rhs_spec, _ = convolution.dimension_numbers
     features = (matmul.lhs_shape[lhs_spec[1]], matmul.rhs_shape[rhs_spec[0]])
-    return self.convolutions and self._takes(matmul, features)
+    return self.convolutions and self._fit(features) and self._accepts(matmul)
 
-  def _takes(self, matmul: Float8Matmul, sizes: tuple[int, ...]) -> bool:
-    if any(size % 16 or size < self.min_size for size in sizes):
-      return False
+  def _fit(self, sizes: tuple[int, ...]) -> bool:
+    return not any(size % 16 or size < self.min_size for size in sizes)
+
+  def _accepts(self, matmul: Float8Matmul) -> bool:
     return self.filter_fn is None or bool(self.filter_fn(matmul))
 
 
@@ -182,13 +187,13 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
         f"`compute_dtype` must be float16, bfloat16 or float32, got {compute_dtype!r}: an "
         "unscaled float8 matmul flushes small values to zero; pass "
         "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
-  if fp8 is None:
+  if fp8 is None or isinstance(fp8, Measurement):  # a readiness report's: any dtype
     return fp8
   if np.dtype(compute_dtype).itemsize > 4:
     raise ValueError(
         f"`compute_dtype` must be float16, bfloat16 or float32 with `fp8`, got "
         f"{compute_dtype!r}: the matmuls float8 does not take run in `compute_dtype`.")
-  if isinstance(fp8, (Float8Recipe, Measurement)):
+  if isinstance(fp8, Float8Recipe):
     return fp8
   if isinstance(fp8, str) and fp8 not in RECIPES:
     raise ValueError(f"`fp8` must be one of {tuple(RECIPES)} or a Float8Recipe, got {fp8!r}.")
@@ -204,8 +209,8 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
   under `recipe`, its float32 product returned in `result_dtype` (`compute_dtype`, or a
   wider `preferred_element_type` the program asked for); None where the recipe does not
   take it (integer operands, a size it excludes, a convolution unless it opted in: it
-  runs in `compute_dtype`). A `dot_general` the recipe refuses for its sizes or by its
-  `filter_fn` is appended to `refused` as a `Float8Matmul`."""
+  runs in `compute_dtype`). A `dot_general` the recipe refuses for its sizes is appended
+  to `refused` as a `Float8Matmul`."""
   if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
@@ -224,9 +229,11 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
   if op.name != "dot_general":
     return None
   dimension_numbers = jax.tree.map(int, op.param("dimension_numbers"))
-  if not measured.runs(described, dimension_numbers):
+  if not measured.fits(described, dimension_numbers):
     if refused is not None:
       refused.append(described)
+    return None
+  if not measured._accepts(described):
     return None
   float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
   return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype,

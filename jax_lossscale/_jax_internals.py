@@ -41,9 +41,11 @@ What is read, and why:
   `Call`, found by that function's frame in its operations' tracebacks
   (`source_info.traceback.frames`); where JAX keeps no traceback, its operations run one
   by one.
-- `Source`, `Operation.source`, `Operation.scopes`, `Operation.name_scope`: where an
-  operation was written: its name scopes (`source_info_util`'s name stack, private, read
-  in one place, `_scopes`) and the user's line (`source_info_util`'s frames).
+- `Source`, `Operation.source`, `Operation.scopes`, `Operation.name_scope`,
+  `current_scopes`, `enclosed_by`: where an operation was written: its name scopes
+  (`source_info_util`'s name stack, private, read in one place, `_scopes`; JAX traces a
+  loop body's or a jitted function's program with it starting over, so the scopes around
+  are carried by a context variable) and the user's line (`source_info_util`'s frames).
 - `not_reverse_differentiable`: whether an error means that a program cannot be
   differentiated in reverse mode (a `while_loop`; JAX raises a plain `ValueError` or
   `NotImplementedError`, told apart by its message).
@@ -380,13 +382,26 @@ _ENCLOSING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "jax_lossscale_enclosing_scopes", default=())
 
 
-def _current_scopes() -> tuple[str, ...]:
+def current_scopes() -> tuple[str, ...]:
   """The names of the name scopes being traced in now, outermost first, those of the
-  operations whose programs hold this one included (`_ENCLOSING`)."""
+  operations whose programs hold this one included (`enclosed_by`)."""
   outer, inner = _ENCLOSING.get(), _scopes()
   if inner[:len(outer)] == outer:  # a checkpoint's program: scoped as a whole
     return inner
   return (*outer, *inner)
+
+
+@contextlib.contextmanager
+def enclosed_by(scopes: tuple[str, ...]) -> Iterator[None]:
+  """A context in which what is traced counts as traced inside the name scopes `scopes`
+  (`current_scopes`): for a program JAX traces with its name scopes starting over (a loop
+  body, a branch, a jitted function, a `custom_jvp` function and its rule, traced when
+  JAX differentiates them)."""
+  token = _ENCLOSING.set(scopes)
+  try:
+    yield
+  finally:
+    _ENCLOSING.reset(token)
 
 
 def _source_of(eqn: Equation) -> Any:
@@ -886,7 +901,7 @@ class Operation:
   def name_scope(self) -> str:
     """Its name scope (`jax.named_scope`s, flax's module paths) without the marks of the
     transformations around it (`jvp(...)`, `transpose(...)`), "" if none."""
-    return "/".join(_current_scopes())  # `evaluate` runs it in its scope
+    return "/".join(current_scopes())  # `evaluate` runs it in its scope
 
   def in_scope(self) -> contextlib.AbstractContextManager:
     """A context in which what is traced takes its name scope and source, as `bind`'s:
@@ -917,11 +932,8 @@ class Operation:
     A `shard_map` is applied anew through `jax.shard_map` (its program is traced in the
     manual axes' context); other operations bind with re-traced programs.
     """
-    enclosing = _ENCLOSING.set(_current_scopes())  # its programs' name scopes start over
-    try:
+    with enclosed_by(current_scopes()):  # its programs' name scopes start over
       return self._bind_rewritten(operands, interpret, retyped)
-    finally:
-      _ENCLOSING.reset(enclosing)
 
   def _bind_rewritten(self, operands: list, interpret: Callable[[Program, list], list],
                       retyped: bool) -> list | None:

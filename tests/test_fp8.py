@@ -342,8 +342,8 @@ def test_vmap_of_an_fp8_function():
 
 def test_vmap_of_a_per_example_fp8_function_warns_that_it_ran_no_float8_matmul():
   per_example = jls.autocast(lambda x, w: jnp.tanh(x @ w), jnp.bfloat16, fp8="tensorwise")
-  with pytest.warns(UserWarning, match=r"ran no matmul in float8; it was asked about 1 \(64 "
-                    r"by 64x48\).*Under jax.vmap, autocast sees one example's shapes"):
+  with pytest.warns(UserWarning, match=r"ran no matmul in float8; it refused 1 for their sizes "
+                    r"\(64 by 64x48\).*Under jax.vmap, autocast sees one example's shapes"):
     jax.vmap(per_example, in_axes=(0, None))(X, W)
   batched = jls.autocast(lambda xs, w: jax.vmap(lambda x: jnp.tanh(x @ w))(xs), jnp.bfloat16,
                          fp8="tensorwise")
@@ -351,6 +351,15 @@ def test_vmap_of_a_per_example_fp8_function_warns_that_it_ran_no_float8_matmul()
     warnings.simplefilter("error")
     summary = jls.precision_summary(batched, X, W)
   assert summary.count("dot_general", E4M3) == 1
+
+
+def test_an_inner_fp8_autocasts_float8_matmuls_count_for_the_outer_one():
+  inner = jls.autocast(lambda x, w: jnp.tanh(x @ w), jnp.bfloat16, fp8="tensorwise")
+  outer = jls.autocast(lambda x, w, head: jnp.sum(inner(x, w) @ head), jnp.bfloat16,
+                       fp8="tensorwise")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.grad(outer, argnums=(1, 2))(X, W, jnp.ones((48, 10)))  # the head: 10 columns
 
 
 def test_fp8_inside_a_scan():
@@ -601,6 +610,31 @@ def test_filter_fn_sees_the_scopes_around_a_loop_a_checkpoint_a_jit_and_a_cond()
   assert seen == {"decoder/scanned", "decoder/rematted", "decoder/jitted", "decoder/branch"}
   report = jls.diagnostics.fp8_readiness(fun, ws, X[:, :32])
   assert {row.name_scope for row in report.rows} == seen
+
+
+def test_filter_fn_sees_the_scopes_around_a_custom_jvp_function_it_differentiates():
+  @jax.custom_jvp
+  def dense_tanh(x, w):
+    with jax.named_scope("inner"):
+      return jnp.tanh(x @ w)
+
+  dense_tanh.defjvp(lambda primals, tangents: jax.jvp(
+      lambda x, w: jnp.tanh(x @ w), primals, tangents))
+
+  def fun(ws, x):
+    with jax.named_scope("looped"):
+      h, _ = lax.scan(lambda h, w: (dense_tanh(h, w), None), x, ws)
+    with jax.named_scope("head"):
+      return jnp.sum(dense_tanh(h, ws[0]))
+
+  seen = set()
+  recipe = jls.Float8Recipe.from_name(
+      "tensorwise", filter_fn=lambda matmul: seen.add(matmul.name_scope)
+      or not matmul.name_scope.startswith("head"))
+  ws = jnp.stack([W[:, :32], W[:, 16:]])[:, :32]
+  program = jax.make_jaxpr(jax.grad(jls.autocast(fun, jnp.bfloat16, fp8=recipe)))(ws, X[:, :32])
+  assert seen == {"looped/inner", "head/inner"}
+  assert len(float8_dots(program)) == 1  # the loop's forward: the head's is refused
 
 
 def test_filter_fn_sees_the_whole_path_of_linen_remat_and_scan_modules():

@@ -81,6 +81,11 @@ def test_a_value_that_scaling_takes_to_zero_in_float32_counts_as_flushed(recipe)
     assert found.flushed[recipe] == 127
 
 
+def test_any_floating_compute_dtype_may_be_measured():
+  for dtype in (jnp.float16, jnp.float32, jnp.float64):
+    assert len(jls.diagnostics.fp8_readiness(loss, X, W, compute_dtype=dtype).rows) == 4
+
+
 def test_the_forward_error_is_the_float8_products_against_compute_dtypes(report):
   x, w = bfloat16(X), bfloat16(W)
   amax_x, amax_w = np.max(np.abs(x)), np.max(np.abs(w))
