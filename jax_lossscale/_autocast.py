@@ -191,17 +191,20 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
       (TPU), or a name of the policy grammar (`"f16"`, `"half"`, `"bf16"`).
     fp8: `None`, or a recipe for float8 matmuls (`"tensorwise"`, `"rowwise"` or a
       `Float8Recipe`): each `dot_general` it takes runs on scaled float8 operands, in the
-      forward pass and both matmuls of its backward pass, and returns `compute_dtype`;
-      convolutions too with `Float8Recipe.from_name(..., convolutions=True)`, otherwise
-      they run in `compute_dtype` (see `docs/fp8.md`).
+      forward pass and both matmuls of its backward pass, and returns `compute_dtype` (the
+      float32 product where its operands are in `compute_dtype` already and it asks for
+      a float32 `preferred_element_type`); convolutions too with
+      `Float8Recipe.from_name(..., convolutions=True)`, otherwise they run in
+      `compute_dtype` (see `docs/fp8.md`).
 
   Returns:
     A function with `fun`'s signature, whose outputs have `fun`'s dtypes.
 
   Raises:
-    TypeError: if `fun` is not callable.
-    ValueError: if `compute_dtype` is not a floating dtype or is a float8 one, or `fp8`
-      names no recipe.
+    TypeError: if `fun` is not callable, or `fp8` is neither None, a name nor a
+      `Float8Recipe`.
+    ValueError: if `compute_dtype` is not a floating dtype or is a float8 one, or is
+      wider than float32 with `fp8`, or `fp8` names no recipe.
   """
   if not callable(fun):
     raise TypeError(f"autocast's `fun` must be callable, got {fun!r} of type "

@@ -184,8 +184,9 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
   `compute_dtype`."""
   if np.dtype(compute_dtype).itemsize == 1:
     raise ValueError(
-        f"`compute_dtype` must be float16, bfloat16 or float32, got {compute_dtype!r}: an "
-        "unscaled float8 matmul flushes small values to zero; pass "
+        f"`compute_dtype` must not be a float8 dtype (float16, bfloat16, float32 or "
+        f"float64), got {compute_dtype!r}: an unscaled float8 matmul flushes small values "
+        "to zero; pass "
         "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
   if fp8 is None or isinstance(fp8, Measurement):  # a readiness report's: any dtype
     return fp8

@@ -148,11 +148,15 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
     An `Fp8Readiness`.
 
   Raises:
-    ValueError: for `recipes` that are not a non-empty list or tuple of recipe names, or
-      an `error_limit` that is not a finite number at least 0.
+    ValueError: for `recipes` that are not a non-empty list or tuple of recipe names, an
+      `error_limit` that is not a finite number at least 0, or a `compute_dtype` that is
+      not floating or is a float8 one.
     TypeError: for `convolutions` that is not True or False.
   """
   dtype = _policy.as_dtype(compute_dtype, "compute_dtype")
+  if dtype.itemsize == 1:
+    raise ValueError(f"`compute_dtype` must be the dtype float8 is measured against, not a "
+                     f"float8 one (float16, bfloat16, float32 or float64), got {compute_dtype!r}.")
   names = _recipe_names(recipes)
   error_limit = _validation.real("error_limit", error_limit)
   if error_limit < 0:

@@ -641,7 +641,7 @@ def loss_scaling(
       `unscale(grads, opt_state)` gives the gradients themselves.
     rounding: for parameters narrower than float32 (bfloat16 on TPU, without float32
       master weights), how `apply_gradients` writes them: `"nearest"` (the default, as
-      `optax.apply_updates`: an update below half a unit in the last place, 2**-9 at 1.0
+      `optax.apply_updates`: an update below half a unit in the last place, 2**-8 at 1.0
       in bfloat16, is lost), `"stochastic"` (rounded up or down with probability
       proportional to the distance, independently per entry: the expected parameter is
       the exact sum) or `"compensated"` (Kahan summation: a buffer of each such

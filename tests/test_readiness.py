@@ -169,6 +169,9 @@ def test_the_report_prints_one_line_per_tensor(report):
     ({"recipes": ("rowwise", "rowwise")}, r"distinct names.*\('rowwise', 'rowwise'\)"),
     ({"error_limit": -0.1}, r"`error_limit`.*-0\.1"),
     ({"error_limit": float("nan")}, "`error_limit`.*nan"),
+    ({"compute_dtype": jnp.float8_e4m3fn}, "`compute_dtype` must be the dtype float8 is "
+     r"measured against, not a float8 one \(float16, bfloat16, float32 or float64\)"),
+    ({"compute_dtype": jnp.int8}, "`compute_dtype` must be a floating dtype"),
 ])
 def test_a_bad_argument_is_refused_naming_it(kwargs, shown):
   with pytest.raises(ValueError, match=shown):
