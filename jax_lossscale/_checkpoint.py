@@ -10,6 +10,7 @@ today's: the six step counts in one int32 vector, in the order of `COUNTS`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -64,12 +65,24 @@ def restore_state(saved: Any, like: Any) -> Any:
     for name in LossScalingState._fields:
       field_path = (*path, jax.tree_util.GetAttrKey(name))
       if name in _transform.RESTARTED and _find(saved, field_path) is _MISSING:
-        fields[name] = getattr(target, name)
+        fields[name] = jax.tree.map(functools.partial(_as_init_makes_it, name),
+                                    getattr(target, name))
       else:
         fields[name] = _restore_tree(saved, field_path, getattr(target, name))
     return LossScalingState(**fields)
 
   return jax.tree_util.tree_map_with_path(restore, like, is_leaf=is_state)
+
+
+def _as_init_makes_it(name: str, target: Any) -> jax.Array:
+  """A leaf of the field `name` of `RESTARTED` as `init` makes it (`grad_norm` NaN, the
+  compensation buffers and the rounding counter zeros), of `target`'s shape, dtype and
+  sharding: an array of its own, where `target` may be abstract (a `ShapeDtypeStruct`)
+  or an array that a donating step would delete."""
+  fill = np.nan if name == "grad_norm" else 0
+  value = jnp.full(target.shape, fill, target.dtype)
+  sharding = getattr(target, "sharding", None)
+  return value if sharding is None else jax.device_put(value, sharding)
 
 
 def _restore_tree(saved: Any, path: tuple, like: Any) -> Any:

@@ -103,6 +103,27 @@ def test_grad_norm_missing_from_the_checkpoint_starts_as_init_makes_it():
   assert int(restored.skipped_steps) == 9
 
 
+def test_fields_missing_from_the_checkpoint_start_as_arrays_of_their_own_with_an_abstract_like():
+  state = trained_state(jls.loss_scaling(optax.adam(1e-3)))
+  params = {"w": PARAMS["w"].astype(jnp.bfloat16), "b": PARAMS["b"]}
+  tx = jls.loss_scaling(optax.adam(1e-3), rounding="compensated", grad_norm=True)
+  saved = serialization.to_state_dict(packed(state._replace(inner_state=tx.init(
+      params).inner_state)))
+  abstract = jax.eval_shape(tx.init, params)
+  restored = jls.restore_state(saved, like=abstract)
+  assert isinstance(restored.grad_norm, jax.Array) and jnp.isnan(restored.grad_norm)
+  assert isinstance(restored.rounding_counter, jax.Array)
+  assert restored.rounding_counter.dtype == jnp.uint32 and int(restored.rounding_counter) == 0
+  assert restored.compensation["w"].dtype == jnp.bfloat16
+  assert not jnp.any(restored.compensation["w"]) and restored.compensation["b"] is None
+  like = tx.init(params)  # concrete: restored arrays are not `like`'s, which a donating
+  restored = jls.restore_state(saved, like=like)  # step would delete
+  step = jax.jit(lambda s: tx.apply_gradients(jax.tree.map(jnp.ones_like, params), s, params),
+                 donate_argnums=0)
+  step(restored)
+  assert not like.compensation["w"].is_deleted() and not like.rounding_counter.is_deleted()
+
+
 def test_a_checkpoint_without_a_leaf_of_like_is_refused_naming_the_path():
   saved = serialization.to_state_dict(packed(trained_state(jls.loss_scaling(optax.adam(1e-3)))))
   del saved["inner_state"]["0"]["nu"]
