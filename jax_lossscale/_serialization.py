@@ -114,6 +114,11 @@ def _from_jmp(value: Any, argument: str) -> LossScale | None:
     with _validation.renamed(loss_scale_value=argument):
       return FixedLossScale(scale)
   min_scale = float(np.asarray(value.min_loss_scale, np.float32))
-  return DynamicLossScale(
-      scale, increment_period=int(value.period), multiplier=float(value.factor),
-      min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))
+  jmp_names = {ours: f"{argument}.{theirs}" for ours, theirs in (
+      ("initial_loss_scale", "loss_scale"), ("increment_period", "period"),
+      ("multiplier", "factor"), ("min_loss_scale", "min_loss_scale"),
+      ("num_good_steps", "counter"))}
+  with _validation.renamed(**jmp_names):  # jmp's fields, as the caller wrote them
+    return DynamicLossScale(
+        scale, increment_period=int(value.period), multiplier=float(value.factor),
+        min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))

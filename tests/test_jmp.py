@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 
+import jax_lossscale as jls
 import jax_lossscale.jmp as jmp
 
 # --- jmp's own tests -----------------------------------------------------------------
@@ -138,6 +139,17 @@ def test_a_static_loss_scale_passes_into_jit_as_static_data():
   loss_scale = jmp.StaticLossScale(jnp.float32(128))
   assert jax.tree.leaves(loss_scale) == []
   assert jax.jit(lambda s, x: s.scale(x))(loss_scale, jnp.float32(2)) == 256
+
+
+@pytest.mark.parametrize("fields, shown", [
+    ({"period": 0}, "`loss_scale.period` must be >= 1, got 0"),
+    ({"factor": 1}, "`loss_scale.factor` must be > 1, got 1"),
+])
+@pytest.mark.parametrize("module", [real_jmp, jmp])
+def test_a_bad_jmp_dynamic_scale_given_to_loss_scaling_is_refused_naming_jmps_field(
+    module, fields, shown):
+  with pytest.raises(ValueError, match=re.escape(shown)):
+    jls.loss_scaling(optax.sgd(0.1), module.DynamicLossScale(jnp.float32(2.0**15), **fields))
 
 
 def test_a_jmp_checkpoint_restores_into_this_dynamic_loss_scale():
