@@ -303,9 +303,19 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
 
   Raises:
     ValueError: (also an `AssertionError`, as jmp's) if `pred` is not a boolean scalar.
+    TypeError: as jmp's `lax.select`, for two array leaves of different dtypes (a float16
+      and a float32 parameter): choosing would silently widen the one chosen.
   """
   pred = _boolean_scalar(pred, "select_tree", "pred")
-  return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+  def select(path, x, y):
+    dtypes = [getattr(v, "dtype", None) for v in (x, y)]
+    if None not in dtypes and dtypes[0] != dtypes[1]:
+      raise TypeError(f"select_tree: `a` and `b` must have leaves of one dtype, got "
+                      f"{dtypes[0]} and {dtypes[1]} at {jax.tree_util.keystr(path)}.")
+    return jnp.where(pred, x, y)
+
+  return jax.tree_util.tree_map_with_path(select, a, b)
 
 
 def cast_to_full(tree: T) -> T:

@@ -208,6 +208,14 @@ def test_select_tree_and_adjust_refuse_a_predicate_that_is_not_a_boolean_scalar(
     jmp.DynamicLossScale(2.0).adjust(pred)
 
 
+def test_select_tree_refuses_leaves_of_two_dtypes_as_jmps_does():
+  a, b = {"w": jnp.ones(2, jnp.float16)}, {"w": jnp.zeros(2, jnp.float32)}
+  with pytest.raises(TypeError):
+    real_jmp.select_tree(jnp.bool_(True), a, b)
+  with pytest.raises(TypeError, match=r"one dtype, got float16 and float32 at \['w'\]"):
+    jmp.select_tree(jnp.bool_(True), a, b)
+
+
 def test_all_finite_catches_a_nan_that_a_cpu_max_reduction_drops():
   grads = {"w": jnp.ones(8192).at[5000].set(jnp.nan), "e4m3": jnp.ones(3, jnp.float8_e4m3fn)}
   assert not jmp.all_finite(grads)
