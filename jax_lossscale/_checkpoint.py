@@ -75,12 +75,10 @@ def restore_state(saved: Any, like: Any) -> Any:
 
 
 def _as_init_makes_it(name: str, target: Any) -> jax.Array:
-  """A leaf of the field `name` of `RESTARTED` as `init` makes it (`grad_norm` NaN, the
-  compensation buffers and the rounding counter zeros), of `target`'s shape, dtype and
-  sharding: an array of its own, where `target` may be abstract (a `ShapeDtypeStruct`)
-  or an array that a donating step would delete."""
-  fill = np.nan if name == "grad_norm" else 0
-  value = jnp.full(target.shape, fill, target.dtype)
+  """A leaf of the field `name` of `RESTARTED` as `init` makes it, of `target`'s shape,
+  dtype and sharding: an array of its own, where `target` may be abstract (a
+  `ShapeDtypeStruct`) or an array that a donating step would delete."""
+  value = jnp.full(target.shape, _transform.RESTARTED[name], target.dtype)
   sharding = getattr(target, "sharding", None)
   return value if sharding is None else jax.device_put(value, sharding)
 

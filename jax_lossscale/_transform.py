@@ -163,8 +163,9 @@ class LossScalingState(NamedTuple):
 
 
 # The fields a checkpoint may lack (of another configuration, or written before they
-# existed): `restore_state` takes them from its target, as `init` makes them.
-RESTARTED = ("grad_norm", "compensation", "rounding_counter")
+# existed), and the value `init` fills each with: `restore_state` starts them so, in the
+# shapes and dtypes of its target.
+RESTARTED = {"grad_norm": np.nan, "compensation": 0, "rounding_counter": 0}
 
 jax.export.register_namedtuple_serialization(
     StepCounts, serialized_name="jax_lossscale.StepCounts")
