@@ -46,11 +46,13 @@ minutes.
       matmuls; and a 4096x8192 by 8192x8192 one in float32 and float16. 20 rounds.
    7. fp8 showcase (35 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone.
-   8. bfloat16 writes (30 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
-      leaves with each `rounding=` (and stochastic with `state_dtype=jnp.bfloat16`)
-      against plain Adam on float32 parameters, 30 rounds.
+   8. bfloat16 writes (40 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
+      leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
+      `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds.
 
-That is 430 s of budgets.
+That is 440 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+order, each with its own budget: where device time is short, the parts that matter most
+first.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
+from collections.abc import Sequence
 from unittest import mock
 
 import jax
@@ -146,8 +149,7 @@ class Sizes:
   layer: tuple[int, int, int] = (4096, 8192, 16384)
   square_layer: tuple[int, int, int] = (4096, 8192, 8192)
   layer_reps: int = 20
-  writes_params: float = 1e8
-  writes_leaves: int = 64
+  writes: tuple[tuple[float, int], ...] = ((1e8, 64), (1e7, 1))
   writes_reps: int = 30
 
 
@@ -156,7 +158,7 @@ SMOKE = Sizes(overhead_params=(1e3,), overhead_leaves=(2,), overhead_reps=2,
               mlp=mlp.Config(batch=64, hidden=16), mlp_reps=2,
               showcase=transformer.Config(batch=4, context=8, width=16, heads=2, layers=1),
               showcase_reps=2, layer=(32, 64, 48), square_layer=(32, 64, 64), layer_reps=2,
-              writes_params=1e3, writes_leaves=2, writes_reps=2)
+              writes=((1e3, 2),), writes_reps=2)
 
 
 # --- shared measurements -------------------------------------------------------------------
@@ -518,7 +520,7 @@ def autocast_step(graphdef, options: dict):
 
 
 def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  n, leaves, adam = int(sizes.writes_params), sizes.writes_leaves, optax.adam(1e-3)
+  adam = optax.adam(1e-3)
   configurations = {f"bfloat16, {r}": {"rounding": r}
                     for r in ("nearest", "stochastic", "compensated")}
   configurations["bfloat16, stochastic, bfloat16 state"] = {
@@ -528,14 +530,19 @@ def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
     tx = jls.loss_scaling(adam, jls.NoOpLossScale(), **options)
     steps[name] = (tx.init, lambda p, s, g, tx=tx: tx.apply_gradients(g, s, p))
   plain = {"plain": overhead.variants(adam)["plain"]}
-  runs = overhead.compile_variants(n, leaves, plain, budget) | overhead.compile_variants(
-      n, leaves, steps, budget, dtype=jnp.bfloat16)
-  overhead.time_runs(runs, sizes.writes_reps, budget=budget)
   table.header = f"{overhead.HEADER} {'params+state MB':>15s}"
-  for name, r in overhead.summarize(runs, n).items():
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves((runs[name]["p"], runs[name]["s"])))
-    table.rows.append(f"{overhead.format_row(n, leaves, name, r)} {state_bytes / MB:15.1f}")
-  table.notes.append("plain: optax Adam on float32 parameters; ratios to it")
+  for n, leaves in sizes.writes:
+    budget.check()
+    n = int(n)
+    runs = overhead.compile_variants(n, leaves, plain, budget) | overhead.compile_variants(
+        n, leaves, steps, budget, dtype=jnp.bfloat16)
+    overhead.time_runs(runs, sizes.writes_reps, budget=budget)
+    for name, r in overhead.summarize(runs, n).items():
+      state_bytes = sum(x.nbytes for x in jax.tree.leaves((runs[name]["p"], runs[name]["s"])))
+      table.rows.append(f"{overhead.format_row(n, leaves, name, r)} {state_bytes / MB:15.1f}")
+    del runs
+  table.notes.append("plain: optax Adam on float32 parameters; ratios to it (a rounding's "
+                     "cost over nearest's: the ratio of their ratios)")
 
 
 # --- running the parts -------------------------------------------------------------------
@@ -548,14 +555,16 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("the probes' cost on the showcase's float16 step", 40, probes_part),
     ("fp8 layer, forward and backward", 35, fp8_layer_part),
     ("the showcase in fp8", 35, fp8_showcase_part),
-    ("bfloat16 parameter writes, apply_gradients", 30, writes_part),
+    ("bfloat16 parameter writes, apply_gradients", 40, writes_part),
 ]
 
 
-def run_parts(sizes: Sizes, scale: float = 1.0, stream=sys.stdout) -> list[Table]:
-  """Every part in turn, each ending by its cumulative deadline (budgets times `scale`)."""
+def run_parts(sizes: Sizes, scale: float = 1.0, stream=sys.stdout,
+              order: Sequence[int] | None = None) -> list[Table]:
+  """The parts numbered in `order` (1-based, as listed above; all of them by default) in
+  that order, each ending by its cumulative deadline (budgets times `scale`)."""
   start, tables, planned = time.monotonic(), [], 0.0
-  for title, seconds, part in PARTS:
+  for title, seconds, part in (PARTS[k - 1] for k in order or range(1, len(PARTS) + 1)):
     planned += seconds * scale
     table, begun = Table(title), time.monotonic()
     try:
@@ -586,6 +595,19 @@ def write(path: pathlib.Path, tables: list[Table], seconds: float, argv: list[st
     f.write(f"\n{heading()}\n\n`{command}`, {seconds:.0f} s in all.\n\n{blocks}\n")
 
 
+def parts_order(value: str) -> list[int]:
+  """`--parts`' value: distinct part numbers between 1 and len(PARTS), comma-separated."""
+  try:
+    order = [int(k) for k in value.split(",")]
+  except ValueError:
+    order = []
+  if not order or len(set(order)) < len(order) or not all(1 <= k <= len(PARTS) for k in order):
+    raise argparse.ArgumentTypeError(
+        f"--parts must be distinct part numbers from 1 to {len(PARTS)}, comma-separated; "
+        f"got {value!r}")
+  return order
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -596,11 +618,14 @@ def main(argv: list[str] | None = None) -> None:
                       "--smoke)")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="multiply every part's budget by this")
+  parser.add_argument("--parts", type=parts_order, default=None,
+                      help="the parts to run, by number and in this order, e.g. 6,7,8,4 "
+                      "(default: all, in the order above)")
   args = parser.parse_args(argv)
   results = args.results or (None if args.smoke else RESULTS)
   start = time.monotonic()
   print(heading() + "\n")
-  tables = run_parts(SMOKE if args.smoke else GPU, args.scale)
+  tables = run_parts(SMOKE if args.smoke else GPU, args.scale, order=args.parts)
   seconds = time.monotonic() - start
   print(f"# {seconds:.1f} s in all")
   if results is not None:

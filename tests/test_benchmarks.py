@@ -80,3 +80,17 @@ def test_a_gpu_suite_part_that_fails_is_recorded_and_fails_the_run(monkeypatch, 
   with pytest.raises(SystemExit, match="broken"):
     suite.main(["--smoke", "--results", str(tmp_path / "R.md")])
   assert "FAILED: RuntimeError: no such kernel" in (tmp_path / "R.md").read_text()
+
+
+def test_the_gpu_suite_runs_the_parts_named_by_parts_in_that_order(monkeypatch, capsys):
+  suite = benchmark_script("gpu_suite")
+  ran = []
+  monkeypatch.setattr(suite, "PARTS", [
+      (str(k), 10, lambda sizes, budget, table, k=k: ran.append(k)) for k in (1, 2, 3)])
+  suite.main(["--smoke", "--parts", "3,1"])
+  assert ran == [3, 1]
+  for bad in ("0", "4", "1,1", "one", ""):
+    with pytest.raises(SystemExit):
+      suite.main(["--smoke", "--parts", bad])
+  assert "--parts must be distinct part numbers from 1 to 3, comma-separated; got '4'" in (
+      capsys.readouterr().err)
