@@ -40,15 +40,19 @@ _SPLIT_ROWS = 4
 _IDENTITY = _numerics.Rescale()
 
 
-def by_platform(*args: Any, cpu: Callable[..., Any], default: Callable[..., Any]) -> Any:
-  """`cpu(*args)` in a program run on CPU, `default(*args)` elsewhere.
+def by_platform(*args: Any, cpu: Callable[..., Any], default: Callable[..., Any],
+                cuda: Callable[..., Any] | None = None) -> Any:
+  """`cpu(*args)` in a program run on CPU, `cuda(*args)` on an NVIDIA GPU (`default`'s
+  where `cuda` is None), `default(*args)` elsewhere.
 
   `lax.platform_dependent`: a program lowered for one platform holds that platform's
   form only (behind a conditional on a constant, which XLA removes); one exported for
   several chooses when it runs. The one place where the step's form depends on the
-  platform (`tests/helpers.force_branch` replaces it to trace either form anywhere).
+  platform (`tests/helpers.force_branch` replaces it to trace any form anywhere).
   """
-  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+  if cuda is None:
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default)
 
 
 def _max_min(a, b):

@@ -421,14 +421,17 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 # --- emitting the step -------------------------------------------------------------------
-# By `lax.cond` on CPU, by a select on GPU and TPU. On CPU a `lax.cond` runs nothing on a
-# skipped step and lets XLA update donated buffers in place, where a select would make it
-# copy them; on GPU and TPU a select fuses into the optimizer's own kernels, where a `cond`
-# would split them (benchmarks/RESULTS.md, "Why `cond` on CPU and `where` elsewhere").
+# By `lax.cond` on CPU and on NVIDIA GPUs, by a select on TPU and elsewhere. On CPU a
+# `lax.cond` runs nothing on a skipped step and lets XLA update donated buffers in place,
+# where a select would make it copy them (benchmarks/RESULTS.md, "Why `cond` on CPU and
+# `where` elsewhere"). On an H200 the `cond` was faster than the select as well ("The
+# step's form on an H200"), except where the step checks the updates it writes: the
+# select computes them once for the check and the write. TPU keeps the select, which
+# fuses into the optimizer's own kernels.
 #
-# Both are one program: `lax.platform_dependent` holds the CPU form (the `lax.cond`) and
-# the other (the select), and a program lowered for one platform keeps that platform's
-# alone; one exported for several chooses when it runs. The inner optimizer is traced once
+# All are one program: `lax.platform_dependent` holds each platform's form, and a program
+# lowered for one platform keeps that platform's alone; one exported for several chooses
+# when it runs. The inner optimizer is traced once
 # for each form, and once in all where its two forms are one (`_traced_once`).
 #
 # What a step gives may hold static leaves (strings, functions of equinox modules); a
@@ -466,18 +469,24 @@ class Emitted(NamedTuple):
   updates_finite: jax.Array
 
 
-def run_or_pass(pred: jax.Array, fn: Callable[[], Any], passed: Any,
-                elsewhere: Callable[[], Any]) -> Any:
-  """On CPU, `fn()` if `pred` else `passed`, by `lax.cond`; elsewhere `elsewhere()`, so
-  a GPU program holds no conditional. The outputs may hold static leaves, which must be
-  `passed`'s. The skipping branch returns its operands as they came, so XLA makes it no
-  computation at all (rebuilding them cost a thousand-leaf `apply_gradients` about 0.2 s
-  more to compile: benchmarks/RESULTS.md)."""
+def run_or_pass(pred: jax.Array, fn: Callable[[bool], Any], passed: Any,
+                elsewhere: Callable[[], Any], cond_on_cuda: bool = False) -> Any:
+  """On CPU, `fn(True)` if `pred` else `passed`, by `lax.cond`; on an NVIDIA GPU the same
+  with `fn(False)` where `cond_on_cuda`, else `elsewhere()`, as on every other platform
+  (a program that holds no conditional). The outputs may hold static leaves, which must
+  be `passed`'s. The skipping branch returns its operands as they came, so XLA makes it
+  no computation at all (rebuilding them cost a thousand-leaf `apply_gradients` about
+  0.2 s more to compile: benchmarks/RESULTS.md)."""
   arrays, static = _trees.partition(passed)
-  run, run_elsewhere = _trees.arrays_of(fn, static), _trees.arrays_of(elsewhere, static)
-  out = _finite.by_platform(
-      arrays, cpu=lambda ops: jax.lax.cond(pred, lambda _: run(), lambda ops: ops, ops),
-      default=lambda ops: run_elsewhere())
+  run_elsewhere = _trees.arrays_of(elsewhere, static)
+
+  def cond(in_place):
+    run = _trees.arrays_of(lambda: fn(in_place), static)
+    return lambda ops: jax.lax.cond(pred, lambda _: run(), lambda ops: ops, ops)
+
+  out = _finite.by_platform(arrays, cpu=cond(True),
+                            cuda=cond(False) if cond_on_cuda else None,
+                            default=lambda ops: run_elsewhere())
   return _trees.combine(out, static)
 
 
@@ -486,7 +495,9 @@ def emit(should_apply: jax.Array, run: Callable[[bool], InnerStep], skipped: Any
   """The step's result: what `run` gives if it is applied, else `(skipped, kept)`.
 
   On CPU the step is a conditional whose branch runs `run(True)` (the form whose results
-  replace the donated inputs in place, see `LossScalingTransformation._traced_step`);
+  replace the donated inputs in place, see `LossScalingTransformation._traced_step`); on
+  an NVIDIA GPU, where it checks no updates, a conditional whose branch runs `run(False)`
+  (faster there than the select: benchmarks/RESULTS.md, "The step's form on an H200");
   elsewhere a select of `run(False)`'s results. Where the step checks the updates it
   gives (`checked`: narrow parameters or updates), the check decides too. On CPU it is
   computed before the conditional from the inputs, by a `run(False)` of which XLA keeps
@@ -514,8 +525,8 @@ def emit(should_apply: jax.Array, run: Callable[[bool], InnerStep], skipped: Any
   else:
     apply, updates_finite = should_apply, jnp.array(True)
 
-  def ran():
-    new_out, new_state, _ = run(True)
+  def ran(in_place):
+    new_out, new_state, _ = run(in_place)
     return new_out, new_state
 
   def selected():
@@ -523,7 +534,8 @@ def emit(should_apply: jax.Array, run: Callable[[bool], InnerStep], skipped: Any
     return (_trees.select_tree(apply, new_out, skipped),
             _trees.select_tree(apply, new_state, kept))
 
-  out, state = run_or_pass(apply, ran, (skipped, kept), elsewhere=selected)
+  out, state = run_or_pass(apply, ran, (skipped, kept), elsewhere=selected,
+                           cond_on_cuda=not checked)
   return Emitted(out, state, apply, updates_finite)
 
 

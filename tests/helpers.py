@@ -50,14 +50,17 @@ def forward_dtypes(fun, *args):
 
 @contextlib.contextmanager
 def force_branch(name: str):
-  """Traces a step as for the platform of branch `name` ("cpu": the `lax.cond` and the
-  check's reductions in chunks and rows, "default": the GPU/TPU select and one reduction
-  per leaf) whatever the platform, so the CPU suite compiles and runs the GPU/TPU one.
+  """Traces a step as for the platform of branch `name` whatever the platform, so the CPU
+  suite compiles and runs every platform's form: "cpu" (the `lax.cond` and the check's
+  reductions in chunks and rows), "cuda" (the `lax.cond` where the step checks no
+  updates, else the select; one reduction per leaf) or "default" (TPU's and other
+  platforms': the select and one reduction per leaf).
 
   Jitted functions must be traced inside the context.
   """
-  def by_platform(*args, cpu, default):
-    return (cpu if name == "cpu" else default)(*args)
+  def by_platform(*args, cpu, default, cuda=None):
+    chosen = {"cpu": cpu, "cuda": cuda or default, "default": default}[name]
+    return chosen(*args)
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_finite, "by_platform", by_platform)

@@ -65,7 +65,7 @@ def test_spmd_jit_inf_in_one_shard_makes_every_device_skip(mesh):
   assert float(new_state.loss_scale()) == 4.0 and int(new_state.skipped_steps) == 1
 
 
-@pytest.mark.parametrize("branch", ["cpu", "default"])
+@pytest.mark.parametrize("branch", ["cpu", "cuda", "default"])
 def test_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh, branch):
   params = sharded_params(mesh)
   tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0))
@@ -185,7 +185,7 @@ def pmap_step(tx, axis_name, loss_fn):
   return jax.pmap(step, axis_name=axis_name)
 
 
-@pytest.mark.parametrize("branch", ["cpu", "default"])
+@pytest.mark.parametrize("branch", ["cpu", "cuda", "default"])
 def test_pmap_replicas_never_disagree_when_one_replica_has_a_nan_loss(branch):
   # Replica 3's loss is NaN (kept scale) while the pmean-ed gradients are NaN everywhere
   # (backoff): the replicas used to take different decisions and drift apart.

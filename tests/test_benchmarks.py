@@ -46,7 +46,7 @@ def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_p
   assert written.startswith("\n## GPU suite: ") and "FAILED" not in printed
   for title, _, _ in suite.PARTS:
     assert f"```\n# {title}" in written
-  for row in ["jls.apply_gradients", "form: cond, rows (CPU's)", "form: select, not inlined",
+  for row in ["jls.apply_gradients", "form: cond, rows (CPU's)", "form: cond, not inlined",
               "jmp", "float16, autocast", "bfloat16, autocast", "probed", "float32"]:
     assert f" {row} " in printed
 

@@ -420,6 +420,29 @@ def test_a_poisoned_run_equals_the_clean_run_bit_for_bit(rounding, state_dtype, 
       (clean.inner_state, clean.compensation, clean.rounding_counter))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_float32_parameters_with_bfloat16_state_step_alike_in_every_platforms_form(rounding):
+  # Float32 parameters' updates need no check: on an NVIDIA GPU such a step is a
+  # `lax.cond` that runs the not-in-place form, whose state writes are not reordered.
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=jnp.bfloat16)
+  start = {"w": jnp.linspace(-1.0, 1.0, 256)}
+  grads = [{"w": jnp.full(256, g)} for g in (0.3, -0.2, 0.1)]
+  poison = {"w": jnp.full(256, 0.5).at[7].set(jnp.nan)}
+  results = {}
+  for name in ("cpu", "cuda", "default"):
+    with force_branch(name):
+      step = jax.jit(tx.apply_gradients)
+      for label, sequence in (("clean", grads), ("poisoned", [grads[0], poison, *grads[1:]])):
+        params, state = start, tx.init(start)
+        for g in sequence:
+          params, state = step(g, state, params)
+        results[name, label] = (params, state.inner_state, state.rounding_counter)
+  first = results["cpu", "clean"]
+  for result in results.values():
+    chex.assert_trees_all_equal(result, first)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("rounding", ROUNDINGS)

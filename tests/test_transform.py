@@ -193,18 +193,20 @@ def test_a_skipped_step_leaves_params_and_inner_state_bit_identical(
 
 
 @FUSED
-def test_both_branches_give_the_same_steps(fused):
+def test_every_platforms_branch_gives_the_same_steps(fused):
   data = batches(8)
   tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(2.0**10, increment_period=2))
   results = {}
-  for name in ("cpu", "default"):
+  for name in ("cpu", "cuda", "default"):
     with force_branch(name):
       results[name] = run(tx, [data[0], poison(data[1])] + data[2:], fused=fused)
-  (p_cpu, s_cpu), (p_default, s_default) = results["cpu"], results["default"]
-  assert_trees_close(p_cpu, p_default)
-  assert_trees_close(s_cpu.inner_state, s_default.inner_state)
-  chex.assert_trees_all_equal(s_cpu.loss_scale, s_default.loss_scale)
-  assert int(s_cpu.skipped_steps) == int(s_default.skipped_steps) == 1
+  p_cpu, s_cpu = results["cpu"]
+  for name in ("cuda", "default"):
+    p_other, s_other = results[name]
+    assert_trees_close(p_cpu, p_other)
+    assert_trees_close(s_cpu.inner_state, s_other.inner_state)
+    chex.assert_trees_all_equal(s_cpu.loss_scale, s_other.loss_scale)
+    assert int(s_cpu.skipped_steps) == int(s_other.skipped_steps) == 1
 
 
 # --- the transformation object ---------------------------------------------------------
@@ -569,7 +571,8 @@ def test_a_single_bad_element_skips_with_negative_zero_updates_and_untouched_inn
 
 
 @pytest.mark.parametrize("options, fused, branch_name", [
-    ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default")])
+    ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default"),
+    ({}, True, "cuda"), (CLIP, False, "cuda")])
 def test_a_nan_in_a_large_float32_leaf_skips_the_step(options, fused, branch_name):
   # XLA:CPU drops NaN from float32 max-reductions of 4096 elements or more.
   params = {"w": jnp.zeros((128, 128)), "b": jnp.zeros(8)}
@@ -1042,7 +1045,8 @@ def test_axis_name_empty_keeps_an_ensemble_under_a_named_vmap_independent():
 
 
 @pytest.mark.parametrize("options, fused, branch_name", [
-    ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default")])
+    ({}, False, "cpu"), ({}, True, "default"), (CLIP, True, "cpu"), (CLIP, False, "default"),
+    ({}, True, "cuda")])
 def test_donated_step_runs_without_any_host_transfer(options, fused, branch_name):
   tx = jls.loss_scaling(optax.adam(1e-3), **options)
   with force_branch(branch_name):
