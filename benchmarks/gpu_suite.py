@@ -1,4 +1,4 @@
-"""Every GPU claim of this library, measured by one command in at most 8 minutes.
+"""Every GPU claim of this library, measured by one command in at most 10 minutes.
 
 On a fresh GPU machine (an H100 or H200), from the repository's root, in one line
 (`jax[cuda13]` needs an NVIDIA driver >= 580; with an older one, `jax[cuda12]`):
@@ -14,45 +14,47 @@ The parts, in the order they run, each with a budget of wall time on the GPU (co
 times included). A part checks its budget between compilations and between timed
 rounds; one that overruns it stops there, and its table keeps the rows measured so far,
 with a note. A part that finishes early leaves its time to the next: part k must end
-`sum(budgets[:k + 1])` seconds after the start. With about 30 s of start-up (imports,
-CUDA's initialisation) and one compilation of overrun at most, the whole fits in 8
-minutes.
+`sum(budgets[:k + 1])` seconds after the start. The budgets are what each part took on
+an H200 (2026-12-04) with a margin; with about 30 s of start-up (imports, CUDA's
+initialisation) the whole took about 9 minutes there, the float8 compilations (about
+95 s a float8 layer, 43 s a float8 showcase step) most of it.
 
-   1. overhead (95 s): `overhead.py`'s table, plain Adam, at 1e7 and 1e8 parameters in 1
+   1. overhead (60 s): `overhead.py`'s table, plain Adam, at 1e7 and 1e8 parameters in 1
       and 64 leaves (1e8 in 64 first, the row the last GPU run was furthest behind in),
       every variant side by side in one process and interleaved, 50 rounds, plus the
-      library step's alternative forms (`form: ...` rows): its GPU form is a select, one
-      reduction per leaf and the inner optimizer inlined; each form row changes one or
-      two of those (a `lax.cond` and the reductions in rows are the CPU form). Sized on
-      the last H100 run: about 1.5 s of compilation per variant and 11 variants, so 4 x
-      17 s of compilation; the timed rounds take under 3 s a size.
-   2. overhead, clipped (95 s): the same with `clip_by_global_norm(1.0)`, 12 variants.
+      library step's alternative forms (`form: ...` rows): its form on an NVIDIA GPU is
+      a `lax.cond` (the CPU's), one reduction per leaf and the inner optimizer inlined;
+      each form row changes one or two of those (a select, as on TPU and as on a GPU
+      until the H200 run of 2026-12-04; the reductions in rows of the CPU). About 1.5 s
+      of compilation per variant and 11 variants; 47 s in all on the H200.
+   2. overhead, clipped (60 s): the same with `clip_by_global_norm(1.0)`, 12 variants.
    3. demo step (30 s): the MLP demo's step (`python -m jax_lossscale.demo`: embedding,
       two GELU layers, `loss_scaling(adam)`, `apply_gradients`) at hidden 2048, batch
       32768, in float32, float16 cast by hand, float16 and bfloat16 by `jls.autocast`:
       compile time, step time (20 rounds), XLA's memory analysis, the device's memory.
       4 small compilations of 1-3 s.
-   4. showcase step (70 s): the transformer demo's own jitted step
+   4. showcase step (50 s): the transformer demo's own jitted step
       (`transformer.make_step`) at 6 layers of width 768, 64 x 256 tokens (43M
       parameters), the same four precisions, 10 rounds. Compilation of an `nnx.scan`
       model of this size: about 5-10 s each.
-   5. probes (40 s): the showcase step in float16 with and without probes on every
+   5. probes (20 s): the showcase step in float16 with and without probes on every
       module (`benchmarks/probes.py`'s `unprobed` and `probed`), 10 rounds; 2
       compilations.
-   6. fp8 layer (35 s): one 4096x8192 by 8192x16384 matmul, forward and backward, in
-      float32, bfloat16 and float16 by `jls.autocast`, and in "tensorwise" and "rowwise"
-      float8 (`fp8=`), with a check that each compiled fp8
+   6. fp8 layer (230 s): one 4096x8192 by 8192x16384 matmul, forward and backward, in
+      bfloat16 by `jls.autocast`, in "tensorwise" and "rowwise" float8 (`fp8=`), in float32
+      and in float16 by `jls.autocast` (ratios to bfloat16), with a check that each compiled fp8
       program calls cuBLASLt's float8 GEMM (`__cublas$lt$matmul$f8`) for its three
       matmuls; and a 4096x8192 by 8192x8192 one in float32 and float16. 20 rounds.
-   7. fp8 showcase (35 s): the showcase's step under
+      Each float8 program took about 95 s to compile on the H200, bfloat16's 2 s.
+   7. fp8 showcase (110 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone.
    8. bfloat16 writes (40 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds.
 
-That is 440 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+That is 600 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
-first.
+first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 6 minutes on the H200).
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ def step_form(emit: str, check: str, inline: bool = True):
   the CPU form; or "leaf": one reduction per leaf), the inner optimizer inlined or not."""
   chosen = {"rows": _finite._largest_in_chunks, "leaf": _finite._largest_per_leaf}[check]
 
-  def by_platform(*args, cpu, default):
+  def by_platform(*args, cpu, default, cuda=None):
     return (cpu if emit == "cond" else default)(*args)
 
   with contextlib.ExitStack() as stack:
@@ -267,9 +269,9 @@ def step_form(emit: str, check: str, inline: bool = True):
 
 FORMS = {
     "form: cond, rows (CPU's)": {"emit": "cond", "check": "rows"},
-    "form: cond, one per leaf": {"emit": "cond", "check": "leaf"},
+    "form: select, one per leaf": {"emit": "select", "check": "leaf"},
     "form: select, rows": {"emit": "select", "check": "rows"},
-    "form: select, not inlined": {"emit": "select", "check": "leaf", "inline": False},
+    "form: cond, not inlined": {"emit": "cond", "check": "leaf", "inline": False},
 }
 
 
@@ -373,6 +375,7 @@ def showcase_batches(config: transformer.Config) -> tuple[Text, jax.Array]:
 def showcase_run(step, state, tokens) -> tuple[tuple, list]:
   """`(built row, run)` of a jitted showcase step `(state, tokens) -> (state, logs)`."""
   compiled, lower_s, xla_s = compiled_with_time(step, state, tokens)
+  print(f"#   compiled a showcase step in {lower_s + xla_s:.1f} s", flush=True)
 
   def run(state):
     return compiled(state, tokens)
@@ -447,14 +450,21 @@ def custom_calls(compiled) -> list[str]:
 
 
 def layer_rows(table: Table, shape, variants: dict, reps: int, budget: Budget) -> None:
+  """One row per variant compiled within the budget (at least the first), each timed in
+  interleaved rounds; ratios to the first variant. Each compilation's time is printed as
+  it ends, so that a part stopped at its budget still shows where the time went."""
   m, k, n = shape
   keys = jax.random.split(jax.random.key(0), 3)
   args = (jax.random.normal(keys[0], (m, k)), jax.random.normal(keys[1], (k, n)),
           jax.random.normal(keys[2], (m, n)))
   built, runs = {}, {}
   for name, step in variants.items():
-    budget.check()
+    if built and budget.expired():
+      table.notes.append(f"{m}x{k}x{n}: {', '.join(set(variants) - set(built))} not "
+                         "compiled within the budget")
+      break
     compiled, lower_s, xla_s = compiled_with_time(step, *args)
+    print(f"#   compiled {m}x{k}x{n} {name} in {lower_s + xla_s:.1f} s", flush=True)
     run = lambda state, compiled=compiled: (state, compiled(*args))
     jax.block_until_ready(run(None)[1])
     built[name], runs[name] = (compiled, lower_s, xla_s), [run, None]
@@ -474,15 +484,17 @@ def layer_rows(table: Table, shape, variants: dict, reps: int, budget: Budget) -
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.header = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TFLOP/s':>9s} "
                   f"{'comp s':>6s}  GEMM")
-  variants = {"float32": layer_step(None), "bfloat16, autocast": layer_step(jnp.bfloat16),
-              "float16, autocast": layer_step(jnp.float16)}
+  variants = {"bfloat16, autocast": layer_step(jnp.bfloat16)}
   variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
                for recipe in ("tensorwise", "rowwise")}
+  variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
+  budget.check()
   layer_rows(table, sizes.square_layer, {name: variants[name] for name in (
       "float32", "float16, autocast")}, sizes.layer_reps, budget)
-  table.notes.append("forward and backward (3 matmuls); ratios to float32; TFLOP/s counts "
-                     f"6mkn; each fp8 program should call {FLOAT8_GEMM} 3 times (GPU only)")
+  table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
+                     "TFLOP/s counts 6mkn; each fp8 program should call "
+                     f"{FLOAT8_GEMM} 3 times (GPU only)")
 
 
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
@@ -548,13 +560,13 @@ def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 # --- running the parts -------------------------------------------------------------------
 
 PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
-    ("overhead: apply_gradients and the anchors, Adam", 95, overhead_part(clip=False)),
-    ("overhead: the same, clip_by_global_norm(1.0) + Adam", 95, overhead_part(clip=True)),
+    ("overhead: apply_gradients and the anchors, Adam", 60, overhead_part(clip=False)),
+    ("overhead: the same, clip_by_global_norm(1.0) + Adam", 60, overhead_part(clip=True)),
     ("the MLP demo's training step", 30, mlp_part),
-    ("the transformer showcase's training step", 70, showcase_part),
-    ("the probes' cost on the showcase's float16 step", 40, probes_part),
-    ("fp8 layer, forward and backward", 35, fp8_layer_part),
-    ("the showcase in fp8", 35, fp8_showcase_part),
+    ("the transformer showcase's training step", 50, showcase_part),
+    ("the probes' cost on the showcase's float16 step", 20, probes_part),
+    ("fp8 layer, forward and backward", 230, fp8_layer_part),
+    ("the showcase in fp8", 110, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 40, writes_part),
 ]
 
