@@ -52,7 +52,13 @@ initialisation) the whole took about 9 minutes there, the float8 compilations (a
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds.
 
-That is 600 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+   9. fp8 compile time (300 s), run only when named (`--parts 9`): the tensorwise layer
+      of part 6 compiled with `xla_gpu_autotune_level=0`, with
+      `xla_gpu_enable_triton_gemm=False`, and with each float8 cast behind an
+      `optimization_barrier` (kept apart from its GEMM), beside itself and bfloat16:
+      which of XLA's passes takes a float8 layer's 95 s.
+
+Parts 1 to 8 are 600 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
 first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 6 minutes on the H200).
 """
@@ -83,6 +89,7 @@ from flax import nnx
 
 import jax_lossscale as jls
 from jax_lossscale import _finite
+from jax_lossscale import _fp8
 from jax_lossscale import _transform
 from jax_lossscale.demo import mlp
 from jax_lossscale.demo import transformer
@@ -445,6 +452,32 @@ def layer_step(compute_dtype, **options):
   return jax.jit(step)
 
 
+@dataclasses.dataclass(frozen=True)
+class Configured:
+  """A jitted function traced and lowered inside `context` and compiled with the XLA
+  options `options` (`Lowered.compile(compiler_options=...)`): `lower(*args).compile()`
+  as a jitted function's."""
+
+  jitted: Callable
+  options: dict | None = None
+  context: Callable = contextlib.nullcontext
+
+  def lower(self, *args):
+    with self.context():
+      lowered = self.jitted.lower(*args)
+    return types.SimpleNamespace(compile=lambda: lowered.compile(compiler_options=self.options))
+
+
+@contextlib.contextmanager
+def casts_apart():
+  """Each float8 cast behind a `lax.optimization_barrier`, so that XLA cannot fuse the
+  scaling and the cast into the GEMM that reads it."""
+  cast = _fp8.to_float8
+  with mock.patch.object(_fp8, "to_float8", lambda values, fmt: jax.lax.optimization_barrier(
+      cast(values, fmt))):
+    yield
+
+
 def custom_calls(compiled) -> list[str]:
   return re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
 
@@ -495,6 +528,26 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
                      "TFLOP/s counts 6mkn; each fp8 program should call "
                      f"{FLOAT8_GEMM} 3 times (GPU only)")
+
+
+def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
+  """Where a float8 layer's compile time goes: the tensorwise layer compiled as it is,
+  with XLA's autotuning off, with XLA's Triton GEMMs off, and with its casts kept apart
+  from the GEMMs; each row's compile time, step time and GEMM calls."""
+  table.header = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TFLOP/s':>9s} "
+                  f"{'comp s':>6s}  GEMM")
+  tensorwise = functools.partial(layer_step, jnp.bfloat16, fp8="tensorwise")  # one each
+  variants = {
+      "bfloat16, autocast": layer_step(jnp.bfloat16),
+      "fp8, autotune 0": Configured(tensorwise(), {"xla_gpu_autotune_level": 0}),
+      "fp8, no Triton GEMM": Configured(tensorwise(), {"xla_gpu_enable_triton_gemm": False}),
+      "fp8, casts apart": Configured(tensorwise(), context=casts_apart),
+      "fp8 tensorwise": tensorwise(),
+  }
+  layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
+  table.notes.append("tensorwise float8: as it is (last), compiled with "
+                     "xla_gpu_autotune_level=0, with xla_gpu_enable_triton_gemm=False, and "
+                     "traced with each float8 cast behind an optimization_barrier")
 
 
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
@@ -568,15 +621,18 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("fp8 layer, forward and backward", 230, fp8_layer_part),
     ("the showcase in fp8", 110, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 40, writes_part),
+    ("fp8 compile time: autotuning, Triton and fusion", 300, fp8_compile_part),
 ]
+NAMED_ONLY = {fp8_compile_part}  # a diagnosis: run only when `--parts` names it
 
 
 def run_parts(sizes: Sizes, scale: float = 1.0, stream=sys.stdout,
               order: Sequence[int] | None = None) -> list[Table]:
-  """The parts numbered in `order` (1-based, as listed above; all of them by default) in
-  that order, each ending by its cumulative deadline (budgets times `scale`)."""
+  """The parts numbered in `order` (1-based, as listed above; 1 to 8 by default) in that
+  order, each ending by its cumulative deadline (budgets times `scale`)."""
   start, tables, planned = time.monotonic(), [], 0.0
-  for title, seconds, part in (PARTS[k - 1] for k in order or range(1, len(PARTS) + 1)):
+  order = order or [k for k, (_, _, part) in enumerate(PARTS, 1) if part not in NAMED_ONLY]
+  for title, seconds, part in (PARTS[k - 1] for k in order):
     planned += seconds * scale
     table, begun = Table(title), time.monotonic()
     try:
@@ -632,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="multiply every part's budget by this")
   parser.add_argument("--parts", type=parts_order, default=None,
                       help="the parts to run, by number and in this order, e.g. 6,7,8,4 "
-                      "(default: all, in the order above)")
+                      "(default: 1 to 8, in the order above)")
   args = parser.parse_args(argv)
   results = args.results or (None if args.smoke else RESULTS)
   start = time.monotonic()

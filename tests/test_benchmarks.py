@@ -41,13 +41,15 @@ def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_p
   suite = benchmark_script("gpu_suite")
   results = tmp_path / "RESULTS.md"
   # Budgets far above the toy sizes' needs: no part stops early on a loaded machine.
-  suite.main(["--smoke", "--results", str(results), "--scale", "100"])
+  suite.main(["--smoke", "--results", str(results), "--scale", "100",
+              "--parts", ",".join(str(k) for k in range(1, len(suite.PARTS) + 1))])
   printed, written = capsys.readouterr().out, results.read_text()
   assert written.startswith("\n## GPU suite: ") and "FAILED" not in printed
   for title, _, _ in suite.PARTS:
     assert f"```\n# {title}" in written
   for row in ["jls.apply_gradients", "form: cond, rows (CPU's)", "form: cond, not inlined",
-              "jmp", "float16, autocast", "bfloat16, autocast", "probed", "float32"]:
+              "jmp", "float16, autocast", "bfloat16, autocast", "probed", "float32",
+              "fp8, casts apart", "fp8, no Triton GEMM"]:
     assert f" {row} " in printed
 
 
