@@ -62,6 +62,7 @@ def maybe_jit(request):
 
 @pytest.fixture(params=["cpu", "default"], ids=["cond_branch", "where_branch"])
 def branch(request):
-  """Traces the step with the CPU (`lax.cond`) or the GPU/TPU (select) branch."""
+  """Traces the step with the CPU (`lax.cond`) or the select branch (TPU's, and an NVIDIA
+  GPU's where the step checks its updates)."""
   with force_branch(request.param):
     yield request.param

@@ -73,7 +73,7 @@ def test_apply_gradients_skips_an_inf_in_one_shard_and_keeps_the_sharding(mesh, 
   ones = {"w": jnp.ones((16, 4)), "b": jnp.ones(4)}
   good = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), ones, params)
   bad = dict(good, w=jax.device_put(ones["w"].at[5, 1].set(jnp.inf), params["w"].sharding))
-  with force_branch(branch):  # the GPU/TPU branch too, traced here
+  with force_branch(branch):  # the select and CUDA branches too, traced here
     step = jax.jit(tx.apply_gradients)
     skipped_params, state = step(bad, state, params)
     applied_params, state = step(good, state, skipped_params)

@@ -1,7 +1,9 @@
 """Specification of the optax transformation `loss_scaling`.
 
 Every behaviour is checked on both ways a step is emitted: `lax.cond` (the CPU branch)
-and a select (the GPU/TPU branch), the latter forced on CPU by the `branch` fixture.
+and a select (TPU's branch, and an NVIDIA GPU's where the step checks its updates), the
+latter forced on CPU by the `branch` fixture. The NVIDIA GPU's branch where no update is
+checked, a `lax.cond` around the not-in-place step, is forced by name (`"cuda"`).
 Products of options are covered pairwise: each pair of values meets in some case.
 """
 
@@ -126,7 +128,7 @@ def applied_step(tx, fused, transform=jax.jit):
 
 def control_cases():
   """Every (inner, model) pair on the CPU branch, both paths alternating; each inner on
-  the GPU/TPU branch."""
+  the select branch."""
   cases = [pytest.param(inner, model, "cpu", (i + m) % 2 == 1, id=f"{inner}-{model}-cond")
            for i, inner in enumerate(INNERS) for m, model in enumerate(MODELS)]
   cases += [pytest.param(inner, "dense", "default", i % 2 == 0, id=f"{inner}-dense-where")

@@ -505,7 +505,7 @@ def micro_batches():
 
 
 def test_multisteps_drops_a_poisoned_micro_batch_everywhere_and_grows_per_optimizer_step(
-    branch):  # the GPU/TPU branch of the step too, traced here
+    branch):  # the select branch of the step too, traced here
   del branch
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {"w1": jax.random.normal(k1, (16, 64)) / 4, "w2": jax.random.normal(k2, (64, 1)) / 8}
