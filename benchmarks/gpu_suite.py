@@ -1,4 +1,4 @@
-"""Every GPU claim of this library, measured by one command in at most 10 minutes.
+"""Every GPU claim of this library, measured by one command in about 11 minutes.
 
 On a fresh GPU machine (an H100 or H200), from the repository's root, in one line
 (`jax[cuda13]` needs an NVIDIA driver >= 580; with an older one, `jax[cuda12]`):
@@ -14,10 +14,12 @@ The parts, in the order they run, each with a budget of wall time on the GPU (co
 times included). A part checks its budget between compilations and between timed
 rounds; one that overruns it stops there, and its table keeps the rows measured so far,
 with a note. A part that finishes early leaves its time to the next: part k must end
-`sum(budgets[:k + 1])` seconds after the start. The budgets are what each part took on
-an H200 (2026-12-04) with a margin; with about 30 s of start-up (imports, CUDA's
-initialisation) the whole took about 9 minutes there, the float8 compilations (about
-95 s a float8 layer, 43 s a float8 showcase step) most of it.
+`sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
+even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
+600 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
+compilation of overrun (a float8 layer's 95 s), 10 to 12 minutes; the parts' own times
+there add up to about 9. The float8 compilations (about 95 s a float8 layer, 44 s a
+float8 showcase step) are most of it.
 
    1. overhead (60 s): `overhead.py`'s table, plain Adam, at 1e7 and 1e8 parameters in 1
       and 64 leaves (1e8 in 64 first, the row the last GPU run was furthest behind in),
@@ -52,11 +54,11 @@ initialisation) the whole took about 9 minutes there, the float8 compilations (a
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds.
 
-   9. fp8 compile time (300 s), run only when named (`--parts 9`): the tensorwise layer
-      of part 6 compiled with `xla_gpu_autotune_level=0`, with
-      `xla_gpu_enable_triton_gemm=False`, and with each float8 cast behind an
-      `optimization_barrier` (kept apart from its GEMM), beside itself and bfloat16:
-      which of XLA's passes takes a float8 layer's 95 s.
+   9. fp8 compile time (420 s), run only when named (`--parts 9`): the tensorwise layer
+      of part 6 traced with each float8 cast behind an `optimization_barrier` (kept
+      apart from its GEMM), compiled with `xla_gpu_enable_triton_gemm=False`, and with
+      `xla_gpu_autotune_level=0`, beside bfloat16 and itself as it is (last: its 95 s
+      are known): which of XLA's passes takes a float8 layer's compile time.
 
 Parts 1 to 8 are 600 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
@@ -173,6 +175,9 @@ SMOKE = Sizes(overhead_params=(1e3,), overhead_leaves=(2,), overhead_reps=2,
 # --- shared measurements -------------------------------------------------------------------
 
 
+MIN_ROUNDS = 5  # timed rounds even past a part's budget: one call is no measurement
+
+
 def median_ms(times: list[float]) -> float:
   return 1e3 * statistics.median(times)
 
@@ -180,10 +185,11 @@ def median_ms(times: list[float]) -> float:
 def interleaved(runs: dict, reps: int, budget: Budget) -> dict[str, list[float]]:
   """`reps` rounds of one call of each run (name -> [step, state], `step(state)` giving
   `(state, output)`), in a random order each round; the rounds finished within the
-  budget (at least one). Each run's state is replaced as it steps (it is donated)."""
+  budget, and at least `MIN_ROUNDS` (or `reps`, if fewer). Each run's state is replaced
+  as it steps (it is donated)."""
   times, rng = {name: [] for name in runs}, np.random.default_rng(0)
   for i in range(reps):
-    if i and budget.expired():
+    if i >= MIN_ROUNDS and budget.expired():
       break
     for name in rng.permutation(list(runs)):
       step, state = runs[name]
@@ -493,8 +499,8 @@ def layer_rows(table: Table, shape, variants: dict, reps: int, budget: Budget) -
   built, runs = {}, {}
   for name, step in variants.items():
     if built and budget.expired():
-      table.notes.append(f"{m}x{k}x{n}: {', '.join(set(variants) - set(built))} not "
-                         "compiled within the budget")
+      left = "; ".join(name for name in variants if name not in built)
+      table.notes.append(f"{m}x{k}x{n}: not compiled within the budget: {left}")
       break
     compiled, lower_s, xla_s = compiled_with_time(step, *args)
     print(f"#   compiled {m}x{k}x{n} {name} in {lower_s + xla_s:.1f} s", flush=True)
@@ -521,13 +527,13 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
                for recipe in ("tensorwise", "rowwise")}
   variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
+  table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
+                     "TFLOP/s counts 6mkn; each fp8 program should call "
+                     f"{FLOAT8_GEMM} 3 times (GPU only)")
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   budget.check()
   layer_rows(table, sizes.square_layer, {name: variants[name] for name in (
       "float32", "float16, autocast")}, sizes.layer_reps, budget)
-  table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
-                     "TFLOP/s counts 6mkn; each fp8 program should call "
-                     f"{FLOAT8_GEMM} 3 times (GPU only)")
 
 
 def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
@@ -539,15 +545,15 @@ def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   tensorwise = functools.partial(layer_step, jnp.bfloat16, fp8="tensorwise")  # one each
   variants = {
       "bfloat16, autocast": layer_step(jnp.bfloat16),
-      "fp8, autotune 0": Configured(tensorwise(), {"xla_gpu_autotune_level": 0}),
-      "fp8, no Triton GEMM": Configured(tensorwise(), {"xla_gpu_enable_triton_gemm": False}),
       "fp8, casts apart": Configured(tensorwise(), context=casts_apart),
+      "fp8, no Triton GEMM": Configured(tensorwise(), {"xla_gpu_enable_triton_gemm": False}),
+      "fp8, autotune 0": Configured(tensorwise(), {"xla_gpu_autotune_level": 0}),
       "fp8 tensorwise": tensorwise(),
   }
-  layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   table.notes.append("tensorwise float8: as it is (last), compiled with "
                      "xla_gpu_autotune_level=0, with xla_gpu_enable_triton_gemm=False, and "
                      "traced with each float8 cast behind an optimization_barrier")
+  layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
 
 
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
@@ -621,7 +627,7 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("fp8 layer, forward and backward", 230, fp8_layer_part),
     ("the showcase in fp8", 110, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 40, writes_part),
-    ("fp8 compile time: autotuning, Triton and fusion", 300, fp8_compile_part),
+    ("fp8 compile time: autotuning, Triton and fusion", 420, fp8_compile_part),
 ]
 NAMED_ONLY = {fp8_compile_part}  # a diagnosis: run only when `--parts` names it
 

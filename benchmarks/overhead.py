@@ -187,13 +187,14 @@ def compile_variants(n: int, leaves: int, steps: dict, budget=None,
   return runs
 
 
-def time_runs(runs: dict, reps: int, seed: int = 0, budget=None) -> None:
+def time_runs(runs: dict, reps: int, seed: int = 0, budget=None, min_rounds: int = 5) -> None:
   """`reps` rounds of one step of each run, in a random order each round, appended to each
-  run's times; with a `budget`, the rounds finished before it expired (at least one)."""
+  run's times; with a `budget`, the rounds finished before it expired, and at least
+  `min_rounds` (or `reps`, if fewer)."""
   rng = np.random.default_rng(seed)
   names = list(runs)
   for i in range(reps):
-    if i and budget is not None and budget.expired():
+    if i >= min_rounds and budget is not None and budget.expired():
       break
     for name in rng.permutation(names):  # interleaved, in a random order each round
       r = runs[name]
