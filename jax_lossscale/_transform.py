@@ -3,8 +3,9 @@
 A step, in the order it runs and in the order of this module's sections: its arguments
 are checked, `decide` takes the decision (one check of the scaled gradients and of the loss,
 agreed across devices), the inner optimizer runs on the gradients times the scale divided
-out, `emit` gives its result or the skipped step's (a `lax.cond` on CPU, a select
-elsewhere), and `next_state` gives the next loss scale and the counters.
+out, `emit` gives its result or the skipped step's (a `lax.cond` on CPU and, where no
+update is checked, on an NVIDIA GPU; a select elsewhere), and `next_state` gives the
+next loss scale and the counters.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ CLIP = {"clip_by_global_norm": 0.5}
     (jnp.float32, "cpu", False, {}), (jnp.float32, "default", True, CLIP),
     (jnp.float16, "cpu", True, CLIP), (jnp.float16, "default", False, {}),
     (jnp.bfloat16, "cpu", False, CLIP), (jnp.bfloat16, "default", True, {}),
-    (jnp.float8_e4m3fn, "cpu", True, {}), (jnp.float8_e5m2, "default", False, CLIP)],
+    (jnp.float8_e4m3fn, "cpu", True, {}), (jnp.float8_e5m2, "default", False, CLIP),
+    (jnp.float32, "cuda", True, {}), (jnp.float32, "cuda", False, CLIP)],
     ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_skipped_step_leaves_params_and_inner_state_bit_identical(
     param_dtype, branch_name, fused, options):
