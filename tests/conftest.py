@@ -60,9 +60,11 @@ def maybe_jit(request):
   return jax.jit if request.param else (lambda f: f)
 
 
-@pytest.fixture(params=["cpu", "default"], ids=["cond_branch", "where_branch"])
+@pytest.fixture(params=["cpu", "cuda", "default"],
+                ids=["cond_branch", "cuda_branch", "where_branch"])
 def branch(request):
-  """Traces the step with the CPU (`lax.cond`) or the select branch (TPU's, and an NVIDIA
-  GPU's where the step checks its updates)."""
+  """Traces the step with the CPU (`lax.cond`), the NVIDIA GPU's (the `lax.cond` around
+  the not-in-place step where no update is checked, else the select) or the select
+  branch (TPU's)."""
   with force_branch(request.param):
     yield request.param

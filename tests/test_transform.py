@@ -1,9 +1,9 @@
 """Specification of the optax transformation `loss_scaling`.
 
-Every behaviour is checked on both ways a step is emitted: `lax.cond` (the CPU branch)
-and a select (TPU's branch, and an NVIDIA GPU's where the step checks its updates), the
-latter forced on CPU by the `branch` fixture. The NVIDIA GPU's branch where no update is
-checked, a `lax.cond` around the not-in-place step, is forced by name (`"cuda"`).
+Every behaviour is checked on each platform's form of the step, forced on CPU by the
+`branch` fixture: `lax.cond` (the CPU branch), a select (TPU's branch), and an NVIDIA
+GPU's (the `lax.cond` around the not-in-place step where no update is checked, else the
+select).
 Products of options are covered pairwise: each pair of values meets in some case.
 """
 
