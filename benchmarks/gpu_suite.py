@@ -16,7 +16,7 @@ rounds; one that overruns it stops there, and its table keeps the rows measured 
 with a note. A part that finishes early leaves its time to the next: part k must end
 `sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
 even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
-600 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
+610 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
 compilation of overrun (a float8 layer's 95 s), 10 to 12 minutes; the parts' own times
 there add up to about 9. The float8 compilations (about 95 s a float8 layer, 44 s a
 float8 showcase step) are most of it.
@@ -50,9 +50,11 @@ float8 showcase step) are most of it.
       Each float8 program took about 95 s to compile on the H200, bfloat16's 2 s.
    7. fp8 showcase (110 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone.
-   8. bfloat16 writes (40 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
+   8. bfloat16 writes (50 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
-      `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds.
+      `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
+      and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
+      step that checks its written values is not on a GPU.
 
    9. fp8 compile time (420 s), run only when named (`--parts 9`): the tensorwise layer
       of part 6 traced with each float8 cast behind an `optimization_barrier` (kept
@@ -60,7 +62,7 @@ float8 showcase step) are most of it.
       `xla_gpu_autotune_level=0`, beside bfloat16 and itself as it is (last: its 95 s
       are known): which of XLA's passes takes a float8 layer's compile time.
 
-Parts 1 to 8 are 600 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+Parts 1 to 8 are 610 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
 first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 6 minutes on the H200).
 """
@@ -550,9 +552,9 @@ def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
       "fp8, autotune 0": Configured(tensorwise(), {"xla_gpu_autotune_level": 0}),
       "fp8 tensorwise": tensorwise(),
   }
-  table.notes.append("tensorwise float8: as it is (last), compiled with "
-                     "xla_gpu_autotune_level=0, with xla_gpu_enable_triton_gemm=False, and "
-                     "traced with each float8 cast behind an optimization_barrier")
+  table.notes.append("tensorwise float8 traced with each float8 cast behind an "
+                     "optimization_barrier, compiled with xla_gpu_enable_triton_gemm=False, "
+                     "with xla_gpu_autotune_level=0, and as it is (last)")
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
 
 
@@ -596,24 +598,45 @@ def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
                     for r in ("nearest", "stochastic", "compensated")}
   configurations["bfloat16, stochastic, bfloat16 state"] = {
       "rounding": "stochastic", "state_dtype": jnp.bfloat16}
-  steps = {}
-  for name, options in configurations.items():
+  def step_of(options):  # a function of its own: JAX caches a trace by function
     tx = jls.loss_scaling(adam, jls.NoOpLossScale(), **options)
-    steps[name] = (tx.init, lambda p, s, g, tx=tx: tx.apply_gradients(g, s, p))
+    return tx.init, lambda p, s, g: tx.apply_gradients(g, s, p)
+
+  steps = {name: step_of(options) for name, options in configurations.items()}
   plain = {"plain": overhead.variants(adam)["plain"]}
+  in_cond = {f"{name}, cond": step_of(configurations[name])
+             for name in ("bfloat16, nearest", "bfloat16, compensated")}
   table.header = f"{overhead.HEADER} {'params+state MB':>15s}"
   for n, leaves in sizes.writes:
     budget.check()
     n = int(n)
     runs = overhead.compile_variants(n, leaves, plain, budget) | overhead.compile_variants(
         n, leaves, steps, budget, dtype=jnp.bfloat16)
+    with checked_steps_in_cond():
+      runs |= overhead.compile_variants(n, leaves, in_cond, budget, dtype=jnp.bfloat16)
     overhead.time_runs(runs, sizes.writes_reps, budget=budget)
     for name, r in overhead.summarize(runs, n).items():
       state_bytes = sum(x.nbytes for x in jax.tree.leaves((runs[name]["p"], runs[name]["s"])))
       table.rows.append(f"{overhead.format_row(n, leaves, name, r)} {state_bytes / MB:15.1f}")
     del runs
   table.notes.append("plain: optax Adam on float32 parameters; ratios to it (a rounding's "
-                     "cost over nearest's: the ratio of their ratios)")
+                     "cost over nearest's: the ratio of their ratios); ', cond': the step "
+                     "that checks its written values emitted as a lax.cond on an NVIDIA GPU "
+                     "too, not as the select")
+
+
+@contextlib.contextmanager
+def checked_steps_in_cond():
+  """While tracing: a step that checks the values it writes (narrow parameters) emitted
+  on an NVIDIA GPU as the `lax.cond` that a step checking nothing is, not as the select
+  (a CPU program is the `lax.cond` either way)."""
+  emit = _transform.run_or_pass
+
+  def in_cond(*args, **kwargs):
+    return emit(*args, **{**kwargs, "cond_on_cuda": True})
+
+  with mock.patch.object(_transform, "run_or_pass", in_cond):
+    yield
 
 
 # --- running the parts -------------------------------------------------------------------
@@ -626,7 +649,7 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("the probes' cost on the showcase's float16 step", 20, probes_part),
     ("fp8 layer, forward and backward", 230, fp8_layer_part),
     ("the showcase in fp8", 110, fp8_showcase_part),
-    ("bfloat16 parameter writes, apply_gradients", 40, writes_part),
+    ("bfloat16 parameter writes, apply_gradients", 50, writes_part),
     ("fp8 compile time: autotuning, Triton and fusion", 420, fp8_compile_part),
 ]
 NAMED_ONLY = {fp8_compile_part}  # a diagnosis: run only when `--parts` names it
