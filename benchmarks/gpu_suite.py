@@ -55,7 +55,6 @@ float8 showcase step) are most of it.
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
       and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
       step that checks its written values is not on a GPU.
-
    9. fp8 compile time (420 s), run only when named (`--parts 9`): the tensorwise layer
       of part 6 traced with each float8 cast behind an `optimization_barrier` (kept
       apart from its GEMM), compiled with `xla_gpu_enable_triton_gemm=False`, and with
@@ -177,7 +176,7 @@ SMOKE = Sizes(overhead_params=(1e3,), overhead_leaves=(2,), overhead_reps=2,
 # --- shared measurements -------------------------------------------------------------------
 
 
-MIN_ROUNDS = 5  # timed rounds even past a part's budget: one call is no measurement
+MIN_ROUNDS = overhead.MIN_ROUNDS  # timed rounds even past a part's budget
 
 
 def median_ms(times: list[float]) -> float:
@@ -522,9 +521,12 @@ def layer_rows(table: Table, shape, variants: dict, reps: int, budget: Budget) -
                       f"{flops / ms / 1e9:9.1f} {lower_s + xla_s:6.2f}  {kinds}")
 
 
+LAYER_HEADER = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TFLOP/s':>9s} "
+                f"{'comp s':>6s}  GEMM")
+
+
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  table.header = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TFLOP/s':>9s} "
-                  f"{'comp s':>6s}  GEMM")
+  table.header = LAYER_HEADER
   variants = {"bfloat16, autocast": layer_step(jnp.bfloat16)}
   variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
                for recipe in ("tensorwise", "rowwise")}
@@ -539,11 +541,10 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 
 
 def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  """Where a float8 layer's compile time goes: the tensorwise layer compiled as it is,
-  with XLA's autotuning off, with XLA's Triton GEMMs off, and with its casts kept apart
-  from the GEMMs; each row's compile time, step time and GEMM calls."""
-  table.header = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TFLOP/s':>9s} "
-                  f"{'comp s':>6s}  GEMM")
+  """Where a float8 layer's compile time goes: the tensorwise layer with its casts kept
+  apart from the GEMMs, with XLA's Triton GEMMs off, with XLA's autotuning off, and as it
+  is; each row's compile time, step time and GEMM calls."""
+  table.header = LAYER_HEADER
   tensorwise = functools.partial(layer_step, jnp.bfloat16, fp8="tensorwise")  # one each
   variants = {
       "bfloat16, autocast": layer_step(jnp.bfloat16),

@@ -187,7 +187,11 @@ def compile_variants(n: int, leaves: int, steps: dict, budget=None,
   return runs
 
 
-def time_runs(runs: dict, reps: int, seed: int = 0, budget=None, min_rounds: int = 5) -> None:
+MIN_ROUNDS = 5  # timed rounds even past a budget: one call is no measurement
+
+
+def time_runs(runs: dict, reps: int, seed: int = 0, budget=None,
+              min_rounds: int = MIN_ROUNDS) -> None:
   """`reps` rounds of one step of each run, in a random order each round, appended to each
   run's times; with a `budget`, the rounds finished before it expired, and at least
   `min_rounds` (or `reps`, if fewer)."""

@@ -432,8 +432,8 @@ def global_norm(tree: Any) -> jax.Array:
 #
 # All are one program: `lax.platform_dependent` holds each platform's form, and a program
 # lowered for one platform keeps that platform's alone; one exported for several chooses
-# when it runs. The inner optimizer is traced once
-# for each form, and once in all where its two forms are one (`_traced_once`).
+# when it runs. The inner optimizer is traced once for each form, and once in all where
+# its two forms are one (`_traced_once`).
 #
 # What a step gives may hold static leaves (strings, functions of equinox modules); a
 # skipped step's are those of the running step, see `_trees.arrays_of`.
