@@ -14,8 +14,9 @@ Four tables:
   row's amax; a scaling multiply and cast to float8; the same cast to bfloat16), each on
   an operand of its own shape: which of the steps a float8 matmul adds costs compile time;
 - **layer** (`--layer`): one M x K by K x N layer forward and backward, jitted, in
-  bfloat16 and in each recipe, timed; and whether the compiled program calls cuBLASLt's
-  float8 GEMM (`__cublas$lt$matmul$f8` in its HLO). XLA:CPU runs float8 matmuls as
+  bfloat16 and in each recipe (compiled with `jls.fp8_compiler_options()`), timed; and
+  whether the compiled program calls cuBLASLt's float8 GEMM (`__cublas$lt$matmul$f8` in
+  its HLO). XLA:CPU runs float8 matmuls as
   converts and a float32 matmul, slower than float32: this table means something on a
   GPU (Hopper or newer) only.
 
@@ -141,7 +142,8 @@ def layer(m: int, k: int, n: int, reps: int) -> dict[str, tuple[float, bool]]:
   for recipe in (None, *RECIPES):
     f = jls.autocast(lambda x, w: jnp.sum((x @ w) * c, dtype=jnp.float32), jnp.bfloat16,
                      fp8=recipe)
-    grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+    grad = jax.jit(jax.grad(f, argnums=(0, 1)),
+                   compiler_options=jls.fp8_compiler_options() if recipe else None)
     compiled = grad.lower(x, w).compile()
     jax.block_until_ready(compiled(x, w))
     times = []

@@ -13,6 +13,7 @@ from jax_lossscale._checkpoint import restore_state
 from jax_lossscale._finite import all_finite
 from jax_lossscale._fp8 import Float8Matmul
 from jax_lossscale._fp8 import Float8Recipe
+from jax_lossscale._fp8 import compiler_options as fp8_compiler_options
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
 from jax_lossscale._loss_scale import LossScale
@@ -53,6 +54,7 @@ __all__ = (
     "all_finite",
     "autocast",
     "diagnostics",
+    "fp8_compiler_options",
     "get_policy",
     "if_applied",
     "loss_scale_dataclass",

@@ -572,6 +572,33 @@ def test_the_named_recipes_are_torchaos():
           rowwise.power_of_two_scales) == ("row", E4M3, E4M3, E4M3, True)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "cuda", "rocm", "GPU"])
+def test_fp8_compiler_options_turn_off_triton_gemms_on_a_gpu(backend):
+  assert jls.fp8_compiler_options(backend) == {"xla_gpu_enable_triton_gemm": False}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu", None])
+def test_fp8_compiler_options_are_none_off_a_gpu(backend):
+  assert jls.fp8_compiler_options(backend) == {}  # the suite's default backend is the CPU
+
+
+def test_fp8_compiler_options_are_a_new_dict_each_call():
+  jls.fp8_compiler_options("gpu")["xla_gpu_enable_triton_gemm"] = True
+  assert jls.fp8_compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+
+
+def test_a_jit_given_the_gpu_options_compiles_and_computes_the_same_on_the_cpu():
+  fun = jls.autocast(jax.grad(loss, argnums=(0, 1)), jnp.bfloat16, fp8="tensorwise")
+  configured = jax.jit(fun, compiler_options=jls.fp8_compiler_options("gpu"))
+  for got, expected in zip(configured(X, W), jax.jit(fun)(X, W), strict=True):
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_fp8_compiler_options_of_a_backend_that_is_not_a_name_are_refused():
+  with pytest.raises(TypeError, match=r"fp8_compiler_options\(backend=...\).*got <object"):
+    jls.fp8_compiler_options(object())
+
+
 def test_filter_fn_sees_flax_linen_module_paths():
   class Model(linen.Module):
     @linen.compact

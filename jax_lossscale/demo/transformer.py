@@ -156,7 +156,8 @@ def make_step(graphdef: nnx.GraphDef, probes: bool, compute_dtype=None, fp8=None
   """The jitted step `(state, tokens) -> (state, logs)`, donating the state. `logs`: the
   loss, the scale used, the largest parameter gradient (unscaled), `jls.metrics` after the
   update and, with `probes`, the backward pass's measurements (the loss scale gets them).
-  With `compute_dtype`, the loss runs under `jls.autocast(loss_fn, compute_dtype, fp8=fp8)`."""
+  With `compute_dtype`, the loss runs under `jls.autocast(loss_fn, compute_dtype, fp8=fp8)`,
+  and with `fp8` the step compiles with `jls.fp8_compiler_options()`."""
   loss = loss_fn if compute_dtype is None else jls.autocast(loss_fn, compute_dtype, fp8=fp8)
   grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=nnx.value_and_grad, probes=probes)
 
@@ -170,7 +171,8 @@ def make_step(graphdef: nnx.GraphDef, probes: bool, compute_dtype=None, fp8=None
             **jls.metrics(optimizer), **({"probes": measured[0]} if measured else {})}
     return nnx.state((model, optimizer)), logs
 
-  return jax.jit(step, donate_argnums=0)
+  options = jls.fp8_compiler_options() if fp8 is not None else None
+  return jax.jit(step, donate_argnums=0, compiler_options=options)
 
 
 @dataclasses.dataclass
