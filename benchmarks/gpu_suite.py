@@ -1,4 +1,4 @@
-"""Every GPU claim of this library, measured by one command in about 11 minutes.
+"""Every GPU claim of this library, measured by one command in about 12 minutes.
 
 On a fresh GPU machine (an H100 or H200), from the repository's root, in one line
 (`jax[cuda13]` needs an NVIDIA driver >= 580; with an older one, `jax[cuda12]`):
@@ -16,9 +16,9 @@ rounds; one that overruns it stops there, and its table keeps the rows measured 
 with a note. A part that finishes early leaves its time to the next: part k must end
 `sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
 even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
-610 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
-compilation of overrun (a float8 layer's 95 s), 10 to 12 minutes; the parts' own times
-there add up to about 9. The float8 compilations (about 95 s a float8 layer, 44 s a
+630 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
+compilation of overrun (a float8 layer's 100 s with XLA's defaults), 11 to 13 minutes.
+The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 s a
 float8 showcase step) are most of it.
 
    1. overhead (60 s): `overhead.py`'s table, plain Adam, at 1e7 and 1e8 parameters in 1
@@ -43,25 +43,24 @@ float8 showcase step) are most of it.
       module (`benchmarks/probes.py`'s `unprobed` and `probed`), 10 rounds; 2
       compilations.
    6. fp8 layer (230 s): one 4096x8192 by 8192x16384 matmul, forward and backward, in
-      bfloat16 by `jls.autocast`, in "tensorwise" and "rowwise" float8 (`fp8=`), in float32
-      and in float16 by `jls.autocast` (ratios to bfloat16), with a check that each compiled fp8
-      program calls cuBLASLt's float8 GEMM (`__cublas$lt$matmul$f8`) for its three
-      matmuls; and a 4096x8192 by 8192x8192 one in float32 and float16. 20 rounds.
-      Each float8 program took about 95 s to compile on the H200, bfloat16's 2 s.
-   7. fp8 showcase (110 s): the showcase's step under
-      `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone.
+      bfloat16 by `jls.autocast`, in "tensorwise" and "rowwise" float8 (`fp8=`) compiled
+      with `jls.fp8_compiler_options()` and then with XLA's default options (`, XLA's`
+      rows), in float32 and in float16 by `jls.autocast` (ratios to bfloat16), with a
+      check that each compiled fp8 program calls cuBLASLt's float8 GEMM
+      (`__cublas$lt$matmul$f8`) for its three matmuls; and a 4096x8192 by 8192x8192 one
+      in float32 and float16. 20 rounds. On the H200 each float8 program took about 1 s
+      to compile with those options and about 100 s with XLA's defaults (which autotune
+      Triton GEMMs for every float8 dot), bfloat16's 2 s.
+   7. fp8 showcase (130 s): the showcase's step under
+      `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone, compiled as
+      in part 6 both ways (about 44 s each with XLA's defaults).
    8. bfloat16 writes (50 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
       and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
       step that checks its written values is not on a GPU.
-   9. fp8 compile time (420 s), run only when named (`--parts 9`): the tensorwise layer
-      of part 6 traced with each float8 cast behind an `optimization_barrier` (kept
-      apart from its GEMM), compiled with `xla_gpu_enable_triton_gemm=False`, and with
-      `xla_gpu_autotune_level=0`, beside bfloat16 and itself as it is (last: its 95 s
-      are known): which of XLA's passes takes a float8 layer's compile time.
 
-Parts 1 to 8 are 610 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+The parts are 630 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
 first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 6 minutes on the H200).
 """
@@ -92,7 +91,6 @@ from flax import nnx
 
 import jax_lossscale as jls
 from jax_lossscale import _finite
-from jax_lossscale import _fp8
 from jax_lossscale import _transform
 from jax_lossscale.demo import mlp
 from jax_lossscale.demo import transformer
@@ -104,6 +102,7 @@ import probes  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "RESULTS.md"
 FLOAT8_GEMM = "__cublas$lt$matmul$f8"
+RECIPES = ("tensorwise", "rowwise")
 MB = 1e6
 
 
@@ -446,9 +445,10 @@ def probes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 # --- 6, 7: float8 --------------------------------------------------------------------------------
 
 
-def layer_step(compute_dtype, **options):
+def layer_step(compute_dtype, compiler_options=None, **options):
   """A jitted matmul's forward and backward `(x, w, cotangent) -> (y, dx, dw)`, its matmuls
-  in `compute_dtype` by `jls.autocast` (float32 for None)."""
+  in `compute_dtype` by `jls.autocast` (float32 for None), compiled with the XLA options
+  `compiler_options`."""
   matmul = jnp.matmul if compute_dtype is None else jls.autocast(jnp.matmul, compute_dtype,
                                                                  **options)
 
@@ -456,33 +456,7 @@ def layer_step(compute_dtype, **options):
     y, vjp = jax.vjp(matmul, x, w)
     return y, *vjp(cotangent)
 
-  return jax.jit(step)
-
-
-@dataclasses.dataclass(frozen=True)
-class Configured:
-  """A jitted function traced and lowered inside `context` and compiled with the XLA
-  options `options` (`Lowered.compile(compiler_options=...)`): `lower(*args).compile()`
-  as a jitted function's."""
-
-  jitted: Callable
-  options: dict | None = None
-  context: Callable = contextlib.nullcontext
-
-  def lower(self, *args):
-    with self.context():
-      lowered = self.jitted.lower(*args)
-    return types.SimpleNamespace(compile=lambda: lowered.compile(compiler_options=self.options))
-
-
-@contextlib.contextmanager
-def casts_apart():
-  """Each float8 cast behind a `lax.optimization_barrier`, so that XLA cannot fuse the
-  scaling and the cast into the GEMM that reads it."""
-  cast = _fp8.to_float8
-  with mock.patch.object(_fp8, "to_float8", lambda values, fmt: jax.lax.optimization_barrier(
-      cast(values, fmt))):
-    yield
+  return jax.jit(step, compiler_options=compiler_options)
 
 
 def custom_calls(compiled) -> list[str]:
@@ -528,11 +502,13 @@ LAYER_HEADER = (f"{'matmul':>24s} {'variant':>20s} {'ms':>9s} {'ratio':>6s} {'TF
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.header = LAYER_HEADER
   variants = {"bfloat16, autocast": layer_step(jnp.bfloat16)}
-  variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, fp8=recipe)
-               for recipe in ("tensorwise", "rowwise")}
+  variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, jls.fp8_compiler_options(), fp8=recipe)
+               for recipe in RECIPES}
+  variants |= {f"fp8 {recipe}, XLA's": layer_step(jnp.bfloat16, fp8=recipe) for recipe in RECIPES}
   variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
   table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
-                     "TFLOP/s counts 6mkn; each fp8 program should call "
+                     "TFLOP/s counts 6mkn; fp8: compiled with jls.fp8_compiler_options(), "
+                     "', XLA's': with XLA's default options; each fp8 program should call "
                      f"{FLOAT8_GEMM} 3 times (GPU only)")
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   budget.check()
@@ -540,43 +516,31 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
       "float32", "float16, autocast")}, sizes.layer_reps, budget)
 
 
-def fp8_compile_part(sizes: Sizes, budget: Budget, table: Table) -> None:
-  """Where a float8 layer's compile time goes: the tensorwise layer with its casts kept
-  apart from the GEMMs, with XLA's Triton GEMMs off, with XLA's autotuning off, and as it
-  is; each row's compile time, step time and GEMM calls."""
-  table.header = LAYER_HEADER
-  tensorwise = functools.partial(layer_step, jnp.bfloat16, fp8="tensorwise")  # one each
-  variants = {
-      "bfloat16, autocast": layer_step(jnp.bfloat16),
-      "fp8, casts apart": Configured(tensorwise(), context=casts_apart),
-      "fp8, no Triton GEMM": Configured(tensorwise(), {"xla_gpu_enable_triton_gemm": False}),
-      "fp8, autotune 0": Configured(tensorwise(), {"xla_gpu_autotune_level": 0}),
-      "fp8 tensorwise": tensorwise(),
-  }
-  table.notes.append("tensorwise float8 traced with each float8 cast behind an "
-                     "optimization_barrier, compiled with xla_gpu_enable_triton_gemm=False, "
-                     "with xla_gpu_autotune_level=0, and as it is (last)")
-  layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
-
-
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   config = sizes.showcase
   table.title += showcase_title(config)
   data, tokens = showcase_batches(config)
+  variants = {"bfloat16, autocast": ({}, None)}
+  variants |= {f"fp8 {recipe}": ({"fp8": recipe}, jls.fp8_compiler_options())
+               for recipe in RECIPES}
+  variants |= {f"fp8 {recipe}, XLA's": ({"fp8": recipe}, None) for recipe in RECIPES}
   built, runs = {}, {}
-  for name, options in {"bfloat16, autocast": {}, "fp8 tensorwise": {"fp8": "tensorwise"},
-                        "fp8 rowwise": {"fp8": "rowwise"}}.items():
+  for name, (options, compiler_options) in variants.items():
     budget.check()
     graphdef, state = transformer.init(config, data.vocab,
                                        transformer.Autocast(np.dtype(jnp.bfloat16)),
                                        jls.NoOpLossScale(), seed=0)
-    built[name], runs[name] = showcase_run(autocast_step(graphdef, options), state, tokens)
+    built[name], runs[name] = showcase_run(
+        autocast_step(graphdef, options, compiler_options), state, tokens)
+  table.notes.append("fp8: compiled with jls.fp8_compiler_options(); ', XLA's': with XLA's "
+                     "default options")
   step_table(table, built, runs, sizes.showcase_reps, budget)
 
 
-def autocast_step(graphdef, options: dict):
+def autocast_step(graphdef, options: dict, compiler_options: dict | None = None):
   """The showcase's step with its loss under `jls.autocast(loss_fn, jnp.bfloat16,
-  **options)`, giving the loss as its log."""
+  **options)`, giving the loss as its log, compiled with the XLA options
+  `compiler_options`."""
   grad_fn = jls.scaled_value_and_grad(
       jls.autocast(transformer.loss_fn, jnp.bfloat16, **options),
       value_and_grad=nnx.value_and_grad)
@@ -587,7 +551,7 @@ def autocast_step(graphdef, options: dict):
     optimizer.update(model, grads, loss=loss)
     return nnx.state((model, optimizer)), loss
 
-  return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
 # --- 8: bfloat16 parameter writes ---------------------------------------------------------------
@@ -649,19 +613,17 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("the transformer showcase's training step", 50, showcase_part),
     ("the probes' cost on the showcase's float16 step", 20, probes_part),
     ("fp8 layer, forward and backward", 230, fp8_layer_part),
-    ("the showcase in fp8", 110, fp8_showcase_part),
+    ("the showcase in fp8", 130, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 50, writes_part),
-    ("fp8 compile time: autotuning, Triton and fusion", 420, fp8_compile_part),
 ]
-NAMED_ONLY = {fp8_compile_part}  # a diagnosis: run only when `--parts` names it
 
 
 def run_parts(sizes: Sizes, scale: float = 1.0, stream=sys.stdout,
               order: Sequence[int] | None = None) -> list[Table]:
-  """The parts numbered in `order` (1-based, as listed above; 1 to 8 by default) in that
+  """The parts numbered in `order` (1-based, as listed above; all by default) in that
   order, each ending by its cumulative deadline (budgets times `scale`)."""
   start, tables, planned = time.monotonic(), [], 0.0
-  order = order or [k for k, (_, _, part) in enumerate(PARTS, 1) if part not in NAMED_ONLY]
+  order = order or range(1, len(PARTS) + 1)
   for title, seconds, part in (PARTS[k - 1] for k in order):
     planned += seconds * scale
     table, begun = Table(title), time.monotonic()
