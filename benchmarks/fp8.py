@@ -9,7 +9,8 @@ Four tables:
   demo's model under `autocast(..., bfloat16)` and under each recipe, and its ratio to
   bfloat16's: the bare step (loss, gradient and Adam) and the demo's own step (the one its
   bfloat16 and float8 runs compile: `loss_scaling` around Adam with clipping, and the
-  logged metrics), split into tracing and lowering (Python) and XLA's compilation;
+  logged metrics), split into tracing and lowering (Python) and XLA's compilation; the
+  float8 steps compiled with `jls.fp8_compiler_options()` (none on a CPU);
 - **kernels**: XLA's compile time of a program of `--kernels` kernels of one kind (a
   row's amax; a scaling multiply and cast to float8; the same cast to bfloat16), each on
   an operand of its own shape: which of the steps a float8 matmul adds costs compile time;
@@ -99,7 +100,7 @@ def compile_seconds(fp8, config: transformer.Config, vocab: int,
     step, args = showcase_step(fp8, config, vocab)
   else:
     step, args = step_function(fp8, config, vocab)
-    step = jax.jit(step)
+    step = jax.jit(step, compiler_options=jls.fp8_compiler_options() if fp8 else None)
   jax.clear_caches()
   start = time.process_time()
   lowered = step.lower(*args)

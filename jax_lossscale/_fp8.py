@@ -822,9 +822,10 @@ def _measured_backward(products, measurement, index, residuals, g):
 _measured.defvjp(_measured_forward, _measured_backward)
 
 
-# XLA:GPU weighs a Triton GEMM against cuBLASLt for every float8 dot and, by default,
-# autotunes the Triton candidates: on an H200 that took about 100 s for a layer's three
-# float8 matmuls (to settle on cuBLASLt's float8 GEMM in the end), against 1 s without them.
+# With XLA's default options, compiling a layer's three float8 matmuls took about 100 s
+# on an H200, spent autotuning (most likely the Triton GEMM candidates that XLA:GPU weighs
+# against cuBLASLt for each float8 dot); with Triton's GEMMs off, 0.9 s, and the program
+# called the same cuBLASLt float8 GEMMs.
 _GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
@@ -834,11 +835,11 @@ def compiler_options(backend: str | None = None) -> dict[str, Any]:
 
   Pass them to the step's `jax.jit`: `jax.jit(step, compiler_options=
   jls.fp8_compiler_options())`. On a GPU they turn off XLA's Triton GEMMs, so that XLA
-  takes cuBLASLt's float8 GEMM for each float8 matmul without autotuning Triton kernels
-  for it first. On an H200 that compiled a 4096x8192 by 8192x16384 float8 layer, forward
+  takes cuBLASLt's float8 GEMM for each float8 matmul without autotuning alternatives to
+  it first. On an H200 that compiled a 4096x8192 by 8192x16384 float8 layer, forward
   and backward, in 0.9 s instead of about 100 s, calling the same float8 GEMMs (their
   times are in docs/fp8.md, "On a GPU"). They turn Triton off for every GEMM of the step,
-  those of bfloat16 included, which XLA then gives to cuBLAS too. Off a GPU there are none.
+  those of bfloat16 included (not measured). Off a GPU there are none.
 
   Args:
     backend: the platform that compiles the step: "cpu", "gpu", "cuda", "rocm", "tpu", ...

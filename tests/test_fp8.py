@@ -577,9 +577,16 @@ def test_fp8_compiler_options_turn_off_triton_gemms_on_a_gpu(backend):
   assert jls.fp8_compiler_options(backend) == {"xla_gpu_enable_triton_gemm": False}
 
 
-@pytest.mark.parametrize("backend", ["cpu", "tpu", None])
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_fp8_compiler_options_are_none_off_a_gpu(backend):
-  assert jls.fp8_compiler_options(backend) == {}  # the suite's default backend is the CPU
+  assert jls.fp8_compiler_options(backend) == {}
+
+
+@pytest.mark.parametrize(("default", "expected"), [
+    ("gpu", {"xla_gpu_enable_triton_gemm": False}), ("cpu", {}), ("tpu", {})])
+def test_fp8_compiler_options_default_to_jaxs_default_backend(monkeypatch, default, expected):
+  monkeypatch.setattr(jax, "default_backend", lambda: default)
+  assert jls.fp8_compiler_options() == expected
 
 
 def test_fp8_compiler_options_are_a_new_dict_each_call():

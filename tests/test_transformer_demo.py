@@ -232,3 +232,20 @@ def test_the_float8_runs_are_planned_and_stepped_with_their_recipe(data, tokens)
   plain = transformer.make_step(graphdef, False, jnp.bfloat16)
   assert "f8_" not in str(jax.make_jaxpr(plain)(state, tokens))
 
+
+def test_the_float8_runs_compile_with_fp8_compiler_options(monkeypatch, data, tokens):
+  asked = []
+
+  def options():
+    asked.append(True)
+    return {"xla_no_such_option": True}  # refused by XLA when the step compiles
+
+  monkeypatch.setattr(jls, "fp8_compiler_options", options)
+  precision = {name: policy for name, policy, _ in transformer.plan()}
+  policy = precision["float8 tensorwise, autocast (bfloat16)"]
+  graphdef, state = transformer.init(TINY, data.vocab, policy, jls.NoOpLossScale(), seed=0)
+  step = transformer.make_step(graphdef, False, policy.compute_dtype, policy.fp8)
+  with pytest.raises(RuntimeError, match="xla_no_such_option"):
+    step.lower(state, tokens).compile()
+  transformer.make_step(graphdef, False, jnp.bfloat16)
+  assert asked == [True]  # not asked for the runs without float8
