@@ -1,4 +1,4 @@
-"""Every GPU claim of this library, measured by one command in about 12 minutes.
+"""Every GPU claim of this library, measured by one command in about 13 minutes.
 
 On a fresh GPU machine (an H100 or H200), from the repository's root, in one line
 (`jax[cuda13]` needs an NVIDIA driver >= 580; with an older one, `jax[cuda12]`):
@@ -16,8 +16,8 @@ rounds; one that overruns it stops there, and its table keeps the rows measured 
 with a note. A part that finishes early leaves its time to the next: part k must end
 `sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
 even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
-650 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
-compilation of overrun (a float8 layer's 100 s with XLA's defaults), 11 to 13 minutes.
+660 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
+compilation of overrun (a float8 layer's 100 s with XLA's defaults), 12 to 14 minutes.
 The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 s a
 float8 showcase step) are most of it.
 
@@ -43,26 +43,27 @@ float8 showcase step) are most of it.
       module (`benchmarks/probes.py`'s `unprobed` and `probed`), 10 rounds; 2
       compilations.
    6. fp8 layer (250 s): one 4096x8192 by 8192x16384 matmul, forward and backward, in
-      bfloat16 by `jls.autocast`, in "tensorwise" and "rowwise" float8 (`fp8=`) compiled
-      with `jls.fp8_compiler_options()` and then with XLA's default options (`, XLA's`
-      rows), in float32 and in float16 by `jls.autocast` (ratios to bfloat16), with a
-      check that each compiled fp8 program calls cuBLASLt's float8 GEMM
-      (`__cublas$lt$matmul$f8`) for its three matmuls; and a 4096x8192 by 8192x8192 one
-      in float32 and float16. 20 rounds. On the H200 each float8 program took about 1 s
-      to compile with those options and about 100 s with XLA's defaults (which autotune
-      Triton GEMMs for every float8 dot), bfloat16's 2 s.
-   7. fp8 showcase (130 s): the showcase's step under
-      `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone, compiled as
-      in part 6 both ways (about 44 s each with XLA's defaults).
+      bfloat16 by `jls.autocast` (compiled as it is, and with `jls.fp8_compiler_options()`:
+      what turning Triton's GEMMs off does to bfloat16's), in "tensorwise" and "rowwise"
+      float8 (`fp8=`) compiled with `jls.fp8_compiler_options()` and then with XLA's
+      default options (`, XLA's` rows), in float32 and in float16 by `jls.autocast`
+      (ratios to bfloat16), with a check that each compiled fp8 program calls cuBLASLt's
+      float8 GEMM (`__cublas$lt$matmul$f8`) for its three matmuls; and a 4096x8192 by
+      8192x8192 one in float32 and float16. 20 rounds. On the H200 each float8 program
+      took about 1 s to compile with those options and about 100 s with XLA's defaults
+      (autotuning, most likely Triton GEMMs for every float8 dot), bfloat16's 2 s.
+   7. fp8 showcase (140 s): the showcase's step under
+      `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone, each compiled
+      as in part 6 both ways (about 44 s a float8 step with XLA's defaults).
    8. bfloat16 writes (50 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
       and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
       step that checks its written values is not on a GPU.
 
-The parts are 650 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+The parts are 660 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
-first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 6 minutes on the H200).
+first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 7 minutes on the H200).
 """
 
 from __future__ import annotations
@@ -501,14 +502,16 @@ LAYER_HEADER = (f"{'matmul':>24s} {'variant':>22s} {'ms':>9s} {'ratio':>6s} {'TF
 
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.header = LAYER_HEADER
-  variants = {"bfloat16, autocast": layer_step(jnp.bfloat16)}
+  variants = {"bfloat16, autocast": layer_step(jnp.bfloat16),
+              "bfloat16, fp8 options": layer_step(jnp.bfloat16, jls.fp8_compiler_options())}
   variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, jls.fp8_compiler_options(), fp8=recipe)
                for recipe in RECIPES}
   variants |= {f"fp8 {recipe}, XLA's": layer_step(jnp.bfloat16, fp8=recipe) for recipe in RECIPES}
   variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
   table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
-                     "TFLOP/s counts 6mkn; fp8: compiled with jls.fp8_compiler_options(), "
-                     "', XLA's': with XLA's default options; each fp8 program should call "
+                     "TFLOP/s counts 6mkn; fp8 and 'fp8 options': compiled with "
+                     "jls.fp8_compiler_options(), ', XLA's': with XLA's default options; each "
+                     "fp8 program should call "
                      f"{FLOAT8_GEMM} 3 times (GPU only)")
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   budget.check()
@@ -520,7 +523,8 @@ def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   config = sizes.showcase
   table.title += showcase_title(config)
   data, tokens = showcase_batches(config)
-  variants = {"bfloat16, autocast": ({}, None)}
+  variants = {"bfloat16, autocast": ({}, None),
+              "bfloat16, fp8 options": ({}, jls.fp8_compiler_options())}
   variants |= {f"fp8 {recipe}": ({"fp8": recipe}, jls.fp8_compiler_options())
                for recipe in RECIPES}
   variants |= {f"fp8 {recipe}, XLA's": ({"fp8": recipe}, None) for recipe in RECIPES}
@@ -532,8 +536,8 @@ def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
                                        jls.NoOpLossScale(), seed=0)
     built[name], runs[name] = showcase_run(
         autocast_step(graphdef, options, compiler_options), state, tokens)
-  table.notes.append("fp8: compiled with jls.fp8_compiler_options(); ', XLA's': with XLA's "
-                     "default options")
+  table.notes.append("fp8 and 'fp8 options': compiled with jls.fp8_compiler_options(); "
+                     "', XLA's': with XLA's default options")
   step_table(table, built, runs, sizes.showcase_reps, budget)
 
 
@@ -613,7 +617,7 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("the transformer showcase's training step", 50, showcase_part),
     ("the probes' cost on the showcase's float16 step", 20, probes_part),
     ("fp8 layer, forward and backward", 250, fp8_layer_part),
-    ("the showcase in fp8", 130, fp8_showcase_part),
+    ("the showcase in fp8", 140, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 50, writes_part),
 ]
 

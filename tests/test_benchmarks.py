@@ -49,7 +49,8 @@ def test_the_gpu_suite_runs_every_part_at_toy_sizes_and_appends_its_tables(tmp_p
     assert f"```\n# {title}" in written
   for row in ["jls.apply_gradients", "form: cond, rows (CPU's)", "form: cond, not inlined",
               "jmp", "float16, autocast", "bfloat16, autocast", "probed", "float32",
-              "fp8 rowwise", "fp8 tensorwise, XLA's", "bfloat16, compensated, cond"]:
+              "fp8 rowwise", "fp8 tensorwise, XLA's", "bfloat16, fp8 options",
+              "bfloat16, compensated, cond"]:
     assert f" {row} " in printed
 
 
