@@ -450,7 +450,7 @@ def probes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.notes.append(f"the probes read {elements / 1e6:.2f}M activation elements a step")
 
 
-# --- 6, 7: float8 --------------------------------------------------------------------------------
+# --- 6, 7, 9: float8 -----------------------------------------------------------------------------
 
 
 def layer_step(compute_dtype, compiler_options=None, **options):
