@@ -15,8 +15,9 @@ times included). A part checks its budget between compilations and between timed
 rounds; one that overruns it stops there, and its table keeps the rows measured so far,
 with a note. A part that finishes early leaves its time to the next: part k must end
 `sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
-even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
-700 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
+even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin
+(part 9's and the rows compiled with `jls.fp8_compiler_options()`, estimates):
+710 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
 compilation of overrun (a float8 layer's 100 s with XLA's defaults), 12 to 14 minutes.
 The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 s a
 float8 showcase step) are most of it.
@@ -60,15 +61,15 @@ float8 showcase step) are most of it.
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
       and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
       step that checks its written values is not on a GPU.
-   9. fp8 by width (40 s): 16384 rows by a square weight of width 768, 1536, 3072 and
-      6144, forward and backward, in bfloat16 and in each recipe compiled with
-      `jls.fp8_compiler_options()`, 20 rounds: the width below which float8's scaling
-      costs more than its GEMM saves (the showcase's 768 is slower in float8), for
-      `Float8Recipe.min_size`. 12 compilations of about 1-2 s.
+   9. fp8 by width (50 s, an estimate: not run yet): 16384 rows by a square weight of
+      width 768, 1536, 3072 and 6144, forward and backward, in bfloat16 (as it is and
+      with `jls.fp8_compiler_options()`) and in each recipe compiled with those options,
+      20 rounds: the width below which float8 is slower than bfloat16 (the showcase's
+      768 is), for `Float8Recipe.min_size`. 16 compilations, likely of 1-2 s each.
 
-The parts are 700 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
+The parts are 710 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
-first (`--parts 6,7,8`, float8 and the bfloat16 writes: about 7 minutes on the H200).
+first (`--parts 6,7,8`, float8 and the bfloat16 writes: 440 s of budgets, 7 to 8 minutes).
 """
 
 from __future__ import annotations
@@ -528,15 +529,17 @@ def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
 
 def fp8_widths_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   """Where float8 starts to pay: a layer of `width_rows` rows by a square weight of each
-  width, forward and backward, in bfloat16 and in each recipe compiled with
-  `jls.fp8_compiler_options()`; ratios to bfloat16 at each width."""
+  width, forward and backward, in bfloat16 (as it is, and compiled with
+  `jls.fp8_compiler_options()`, as a float8 step's bfloat16 matmuls are) and in each recipe
+  compiled with them; ratios to bfloat16 at each width."""
   table.header = LAYER_HEADER
-  table.notes.append("forward and backward; ratios to bfloat16 at each width; fp8 compiled "
-                     "with jls.fp8_compiler_options(); Float8Recipe.min_size keeps the "
-                     "matmuls below a width in bfloat16")
+  table.notes.append("forward and backward; ratios to bfloat16 at each width; fp8 and "
+                     "'fp8 options' compiled with jls.fp8_compiler_options(); "
+                     "Float8Recipe.min_size keeps the matmuls below a width in bfloat16")
   for width in sizes.widths:
     budget.check()
-    variants = {"bfloat16, autocast": layer_step(jnp.bfloat16)}
+    variants = {"bfloat16, autocast": layer_step(jnp.bfloat16),
+                "bfloat16, fp8 options": layer_step(jnp.bfloat16, jls.fp8_compiler_options())}
     variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, jls.fp8_compiler_options(),
                                              fp8=recipe) for recipe in RECIPES}
     layer_rows(table, (sizes.width_rows, width, width), variants, sizes.layer_reps, budget)
@@ -642,7 +645,7 @@ PARTS: list[tuple[str, float, Callable[[Sizes, Budget, Table], None]]] = [
     ("fp8 layer, forward and backward", 250, fp8_layer_part),
     ("the showcase in fp8", 140, fp8_showcase_part),
     ("bfloat16 parameter writes, apply_gradients", 50, writes_part),
-    ("fp8 by width: where float8 starts to pay", 40, fp8_widths_part),
+    ("fp8 by width: where float8 starts to pay", 50, fp8_widths_part),
 ]
 
 
