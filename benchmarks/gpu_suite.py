@@ -508,13 +508,24 @@ LAYER_HEADER = (f"{'matmul':>24s} {'variant':>22s} {'ms':>9s} {'ratio':>6s} {'TF
                 f"{'comp s':>6s}  GEMM")
 
 
+def float8_variants(xla_defaults: bool = True) -> dict[str, tuple[dict, dict | None]]:
+  """The float8 parts' variants, in the order they compile: `name -> (jls.autocast's
+  options, the XLA options to compile with)`. bfloat16 as it is and with
+  `jls.fp8_compiler_options()`, each recipe with them, and (`xla_defaults`) each recipe
+  with XLA's defaults (", XLA's"), compiled after the others so that theirs is a cold
+  compile."""
+  options = jls.fp8_compiler_options()
+  variants = {"bfloat16, autocast": ({}, None), "bfloat16, fp8 options": ({}, options)}
+  variants |= {f"fp8 {recipe}": ({"fp8": recipe}, options) for recipe in RECIPES}
+  if xla_defaults:
+    variants |= {f"fp8 {recipe}, XLA's": ({"fp8": recipe}, None) for recipe in RECIPES}
+  return variants
+
+
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.header = LAYER_HEADER
-  variants = {"bfloat16, autocast": layer_step(jnp.bfloat16),
-              "bfloat16, fp8 options": layer_step(jnp.bfloat16, jls.fp8_compiler_options())}
-  variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, jls.fp8_compiler_options(), fp8=recipe)
-               for recipe in RECIPES}
-  variants |= {f"fp8 {recipe}, XLA's": layer_step(jnp.bfloat16, fp8=recipe) for recipe in RECIPES}
+  variants = {name: layer_step(jnp.bfloat16, compiler_options, **options)
+              for name, (options, compiler_options) in float8_variants().items()}
   variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
   table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
                      "TFLOP/s counts 6mkn; fp8 and 'fp8 options': compiled with "
@@ -538,10 +549,8 @@ def fp8_widths_part(sizes: Sizes, budget: Budget, table: Table) -> None:
                      "Float8Recipe.min_size keeps the matmuls below a width in bfloat16")
   for width in sizes.widths:
     budget.check()
-    variants = {"bfloat16, autocast": layer_step(jnp.bfloat16),
-                "bfloat16, fp8 options": layer_step(jnp.bfloat16, jls.fp8_compiler_options())}
-    variants |= {f"fp8 {recipe}": layer_step(jnp.bfloat16, jls.fp8_compiler_options(),
-                                             fp8=recipe) for recipe in RECIPES}
+    variants = {name: layer_step(jnp.bfloat16, compiler_options, **options) for name, (
+        options, compiler_options) in float8_variants(xla_defaults=False).items()}
     layer_rows(table, (sizes.width_rows, width, width), variants, sizes.layer_reps, budget)
 
 
@@ -549,13 +558,8 @@ def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   config = sizes.showcase
   table.title += showcase_title(config)
   data, tokens = showcase_batches(config)
-  variants = {"bfloat16, autocast": ({}, None),
-              "bfloat16, fp8 options": ({}, jls.fp8_compiler_options())}
-  variants |= {f"fp8 {recipe}": ({"fp8": recipe}, jls.fp8_compiler_options())
-               for recipe in RECIPES}
-  variants |= {f"fp8 {recipe}, XLA's": ({"fp8": recipe}, None) for recipe in RECIPES}
   built, runs = {}, {}
-  for name, (options, compiler_options) in variants.items():
+  for name, (options, compiler_options) in float8_variants().items():
     budget.check()
     graphdef, state = transformer.init(config, data.vocab,
                                        transformer.Autocast(np.dtype(jnp.bfloat16)),
