@@ -15,8 +15,7 @@ times included). A part checks its budget between compilations and between timed
 rounds; one that overruns it stops there, and its table keeps the rows measured so far,
 with a note. A part that finishes early leaves its time to the next: part k must end
 `sum(budgets[:k + 1])` seconds after the start, and times at least `MIN_ROUNDS` rounds
-even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin
-(part 9's and the rows compiled with `jls.fp8_compiler_options()`, estimates):
+even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
 710 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
 compilation of overrun (a float8 layer's 100 s with XLA's defaults), 12 to 14 minutes.
 The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 s a
@@ -55,17 +54,19 @@ float8 showcase step) are most of it.
       (autotuning, most likely Triton GEMMs for every float8 dot), bfloat16's 2 s.
    7. fp8 showcase (140 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone, each compiled
-      as in part 6 both ways (about 44 s a float8 step with XLA's defaults).
+      as in part 6 both ways (about 44 s a float8 step with XLA's defaults; 133 s in all
+      on the H200).
    8. bfloat16 writes (50 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
       `state_dtype=jnp.bfloat16`) against plain Adam on float32 parameters, 30 rounds;
       and nearest and compensated emitted as the `lax.cond` (`, cond` rows), which a
       step that checks its written values is not on a GPU.
-   9. fp8 by width (50 s, an estimate: not run yet): 16384 rows by a square weight of
+   9. fp8 by width (50 s; 20 s on the H200): 16384 rows by a square weight of
       width 768, 1536, 3072 and 6144, forward and backward, in bfloat16 (as it is and
       with `jls.fp8_compiler_options()`) and in each recipe compiled with those options,
       20 rounds: the width below which float8 is slower than bfloat16 (the showcase's
-      768 is), for `Float8Recipe.min_size`. 16 compilations, likely of 1-2 s each.
+      768 is), for `Float8Recipe.min_size`. 16 compilations of 0.2 to 2 s each. On the
+      H200 float8 paid from width 3072 (docs/fp8.md, "On a GPU").
 
 The parts are 710 s of budgets. `--parts 6,7,8,4` runs only the parts so numbered, in that
 order, each with its own budget: where device time is short, the parts that matter most
@@ -498,7 +499,7 @@ def layer_rows(table: Table, shape, variants: dict, reps: int, budget: Budget) -
     ms = median_ms(times[name])
     gemms = [call for call in custom_calls(compiled) if "cublas" in call]
     kinds = ", ".join(f"{gemms.count(c)} {c}" for c in sorted(set(gemms))) or "no cuBLAS call"
-    if "fp8" in name and gemms:
+    if name.startswith("fp8") and gemms:  # not "bfloat16, fp8 options"
       kinds += " (float8: OK)" if gemms.count(FLOAT8_GEMM) == 3 else " (NOT ALL FLOAT8)"
     table.rows.append(f"{m}x{k} by {k}x{n} {name:>22s} {ms:9.3f} {ms / base:6.3f} "
                       f"{flops / ms / 1e9:9.1f} {lower_s + xla_s:6.2f}  {kinds}")
@@ -715,7 +716,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="multiply every part's budget by this")
   parser.add_argument("--parts", type=parts_order, default=None,
                       help="the parts to run, by number and in this order, e.g. 6,7,8,4 "
-                      "(default: 1 to 8, in the order above)")
+                      "(default: every part, in the order above)")
   args = parser.parse_args(argv)
   results = args.results or (None if args.smoke else RESULTS)
   start = time.monotonic()
