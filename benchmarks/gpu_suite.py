@@ -18,7 +18,7 @@ with a note. A part that finishes early leaves its time to the next: part k must
 even past it. The budgets are what each part took on an H200 (2026-12-04) with a margin:
 710 s, with about 30 s of start-up (imports, CUDA's initialisation) and at most one
 compilation of overrun (a float8 layer's 100 s with XLA's defaults), 12 to 14 minutes.
-The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 s a
+The float8 compilations with XLA's default options (about 100 s a float8 layer, 44 to 49 s a
 float8 showcase step) are most of it.
 
    1. overhead (60 s): `overhead.py`'s table, plain Adam, at 1e7 and 1e8 parameters in 1
@@ -54,7 +54,7 @@ float8 showcase step) are most of it.
       (autotuning, most likely Triton GEMMs for every float8 dot), bfloat16's 2 s.
    7. fp8 showcase (140 s): the showcase's step under
       `jls.autocast(loss_fn, jnp.bfloat16, fp8=...)` against bfloat16 alone, each compiled
-      as in part 6 both ways (about 44 s a float8 step with XLA's defaults; 133 s in all
+      as in part 6 both ways (44 to 49 s a float8 step with XLA's defaults; 133 s in all
       on the H200).
    8. bfloat16 writes (50 s): Adam's `apply_gradients` on 1e8 bfloat16 parameters in 64
       leaves, and on 1e7 in one, with each `rounding=` (and stochastic with
