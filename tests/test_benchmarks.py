@@ -21,7 +21,9 @@ from jax_lossscale.demo.text import Text
      "bf16 compensated, state bf16"),
     ("fp8", ["--matmul", "32", "64", "32", "--batch", "2", "--width", "32", "--reps", "1",
              "--layer", "32", "64", "32", "--kernels", "2", "--no-demo-step"],
-     "cuBLASLt fp8 GEMM")])
+     "cuBLASLt fp8 GEMM"),
+    ("fp8_recipes", ["--steps", "2", "--batch", "4", "--context", "16", "--seeds", "0", "1",
+                     "--variants", "rowwise, e5m2 gradients"], "rowwise, e5m2 gradients")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
   benchmark_script(name).main(argv)
   assert printed in capsys.readouterr().out
