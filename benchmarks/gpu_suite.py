@@ -179,7 +179,7 @@ SMOKE = Sizes(overhead_params=(1e3,), overhead_leaves=(2,), overhead_reps=2,
               mlp=mlp.Config(batch=64, hidden=16), mlp_reps=2,
               showcase=transformer.Config(batch=4, context=8, width=16, heads=2, layers=1),
               showcase_reps=2, layer=(32, 64, 48), square_layer=(32, 64, 64), layer_reps=2,
-              writes=((1e3, 2),), writes_reps=2, widths=(16, 32), width_rows=32)
+              writes=((1e3, 2),), writes_reps=2, widths=(16,), width_rows=32)
 
 
 # --- shared measurements -------------------------------------------------------------------
@@ -523,15 +523,22 @@ def float8_variants(xla_defaults: bool = True) -> dict[str, tuple[dict, dict | N
   return variants
 
 
+def float8_layer_steps(xla_defaults: bool = True) -> dict:
+  """`float8_variants`, each as a jitted `layer_step`."""
+  return {name: layer_step(jnp.bfloat16, compiler_options, **options)
+          for name, (options, compiler_options) in float8_variants(xla_defaults).items()}
+
+
+OPTIONS_NOTE = ("fp8 and 'fp8 options': compiled with jls.fp8_compiler_options(); ', XLA's': "
+                "with XLA's default options")
+
+
 def fp8_layer_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   table.header = LAYER_HEADER
-  variants = {name: layer_step(jnp.bfloat16, compiler_options, **options)
-              for name, (options, compiler_options) in float8_variants().items()}
+  variants = float8_layer_steps()
   variants |= {"float32": layer_step(None), "float16, autocast": layer_step(jnp.float16)}
   table.notes.append("forward and backward (3 matmuls); ratios to each shape's first row; "
-                     "TFLOP/s counts 6mkn; fp8 and 'fp8 options': compiled with "
-                     "jls.fp8_compiler_options(), ', XLA's': with XLA's default options; each "
-                     "fp8 program should call "
+                     f"TFLOP/s counts 6mkn; {OPTIONS_NOTE}; each fp8 program should call "
                      f"{FLOAT8_GEMM} 3 times (GPU only)")
   layer_rows(table, sizes.layer, variants, sizes.layer_reps, budget)
   budget.check()
@@ -545,14 +552,12 @@ def fp8_widths_part(sizes: Sizes, budget: Budget, table: Table) -> None:
   `jls.fp8_compiler_options()`, as a float8 step's bfloat16 matmuls are) and in each recipe
   compiled with them; ratios to bfloat16 at each width."""
   table.header = LAYER_HEADER
-  table.notes.append("forward and backward; ratios to bfloat16 at each width; fp8 and "
-                     "'fp8 options' compiled with jls.fp8_compiler_options(); "
+  table.notes.append(f"forward and backward; ratios to bfloat16 at each width; {OPTIONS_NOTE}; "
                      "Float8Recipe.min_size keeps the matmuls below a width in bfloat16")
   for width in sizes.widths:
     budget.check()
-    variants = {name: layer_step(jnp.bfloat16, compiler_options, **options) for name, (
-        options, compiler_options) in float8_variants(xla_defaults=False).items()}
-    layer_rows(table, (sizes.width_rows, width, width), variants, sizes.layer_reps, budget)
+    layer_rows(table, (sizes.width_rows, width, width), float8_layer_steps(xla_defaults=False),
+               sizes.layer_reps, budget)
 
 
 def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
@@ -567,8 +572,7 @@ def fp8_showcase_part(sizes: Sizes, budget: Budget, table: Table) -> None:
                                        jls.NoOpLossScale(), seed=0)
     built[name], runs[name] = showcase_run(
         autocast_step(graphdef, options, compiler_options), state, tokens)
-  table.notes.append("fp8 and 'fp8 options': compiled with jls.fp8_compiler_options(); "
-                     "', XLA's': with XLA's default options")
+  table.notes.append(OPTIONS_NOTE)
   step_table(table, built, runs, sizes.showcase_reps, budget)
 
 
