@@ -258,6 +258,37 @@ def _check_grads_like_params(grads: Any, params: Any) -> None:
                      f"{str(structures[0]):.200}, params {str(structures[1]):.200}.")
 
 
+def _check_compensation(compensation: Any, params: Any) -> None:
+  """`compensation` (`rounding="compensated"`'s buffers) holds a buffer of each narrow
+  parameter's dtype and shape, and none elsewhere: as `init` made it from these
+  parameters. A state made from other parameters (float32 ones, then cast to bfloat16)
+  would leave a parameter uncompensated or keep its residuals in another format."""
+  is_none = lambda x: x is None
+  arrays = _trees.partition(params)[0]
+  expected = _rounding.compensation_buffers(arrays)
+  ours = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_none)[0]
+  try:
+    theirs = jax.tree.structure(expected, is_leaf=is_none).flatten_up_to(compensation)
+  except (TypeError, ValueError):
+    theirs = None
+  if theirs is None or len(theirs) != len(ours):
+    raise ValueError(
+        "`state.compensation` does not match `params`: the state was made by tx.init from "
+        f"other parameters (its buffers {str(jax.tree.structure(compensation)):.200}). Call "
+        "tx.init with the parameters the step writes.")
+  describe = lambda x: "None" if x is None else f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+  params_leaves = jax.tree.leaves(arrays, is_leaf=is_none)
+  for (path, want), have, p in zip(ours, theirs, params_leaves, strict=True):
+    if describe(have) != describe(want):
+      where = jax.tree_util.keystr(path)
+      needs = (f"needs a {describe(want)} buffer" if want is not None else
+               "has none (only parameters narrower than float32 are compensated)")
+      raise ValueError(
+          f"`state.compensation{where}` is {describe(have)}, but `params{where}` "
+          f"({describe(p)}) {needs}: the state was made by tx.init from other parameters. "
+          "Call tx.init with the parameters the step writes, in their dtypes.")
+
+
 def _check_no_more_positional(args: tuple, function: str) -> None:
   """`loss=` and `probes=` are keyword-only: a loss passed positionally is refused in the
   caller's words (not as an internal class's signature)."""
@@ -784,6 +815,8 @@ class _Step:
     self._check_state(state)
     if not apply:
       self._check_update_rounding(params)
+    elif self.rounding == "compensated":
+      _check_compensation(state.compensation, params)
     _check_update_keywords(extra_args)
     _check_grads_like_params(grads, params)
     grads = _trees.map_float_leaves(lambda x: x, grads)  # Python floats become arrays
@@ -931,7 +964,10 @@ def _traced_once(run, static, inputs, reordered):
 def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Array | None:
   """Whether updates narrower than float32 are finite (Adam's `eps=1e-8` is 0 in float16),
   `None` if none. A narrow parameter's new value (`new_params`', else `apply_updates`')
-  is checked instead where it was finite (60000 + 10000 is inf in float16)."""
+  is checked instead (60000 + 10000 is inf in float16): everywhere but where the old
+  value was inf and the new one is not NaN (a masked logit's -inf bias, kept as it is by
+  a finite update) or was NaN already. An infinite update of an infinite entry (weight
+  decay of -inf) would write NaN: checked."""
   def leaf(p, u, n):
     if u is None or not _trees.is_float(p):
       return None
@@ -943,7 +979,7 @@ def _narrow_finite(updates, axis_name, params=None, new_params=None) -> jax.Arra
       # parameters that is a chain of emulated float8 conversions, on which LLVM's loop
       # vectorizer (jax 0.12) never finishes: reduced from a float8 array instead.
       n = _finite.by_platform(n, cpu=jax.lax.optimization_barrier, default=lambda n: n)
-    return jnp.where(jnp.isfinite(p), n, 0)
+    return jnp.where(jnp.isfinite(p) | (jnp.isnan(n) & ~jnp.isnan(p)), n, 0)
 
   if params is None:
     checked = [x for x in _trees.float_leaves(updates) if _rounding.is_narrow(x)]

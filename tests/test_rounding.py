@@ -97,6 +97,30 @@ def test_a_state_of_another_rounding_is_refused_naming_restore_state():
     tx.apply_gradients({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
 
 
+@pytest.mark.parametrize("made_from, applied_to, message", [
+    (jnp.float32, jnp.bfloat16,
+     r"`state.compensation\['w'\]` is None, but `params\['w'\]` \(bfloat16\[3\]\) needs a "
+     r"bfloat16\[3\] buffer.*tx.init"),
+    (jnp.bfloat16, jnp.float16,
+     r"`state.compensation\['w'\]` is bfloat16\[3\], but `params\['w'\]` \(float16\[3\]\) "
+     r"needs a float16\[3\] buffer"),
+    (jnp.bfloat16, jnp.float32, r"`params\['w'\]` \(float32\[3\]\) has none"),
+])
+def test_a_compensated_state_made_from_other_parameters_is_refused(made_from, applied_to,
+                                                                   message, maybe_jit):
+  # Else a float32 model's state, its parameters then cast to bfloat16, would fail deep in
+  # the write, and a bfloat16 buffer would keep a float16 parameter's residuals rounded.
+  tx = jls.loss_scaling(optax.sgd(0.1), rounding="compensated")
+  state = tx.init({"w": jnp.ones(3, made_from)})
+  params = {"w": jnp.ones(3, applied_to)}
+  step = maybe_jit(tx.apply_gradients)
+  with pytest.raises(ValueError, match=message):
+    step({"w": jnp.ones(3, applied_to)}, state, params)
+  other = {"w": params["w"], "b": jnp.ones(2, applied_to)}
+  with pytest.raises(ValueError, match=r"`state.compensation` does not match `params`"):
+    step(jax.tree.map(jnp.ones_like, other), state, other)
+
+
 # --- what each rounding writes ----------------------------------------------------------------
 
 
@@ -390,6 +414,22 @@ def test_a_compensated_infinite_entry_stays_infinite_and_leaves_no_nan():
   assert float(written["b"][1]) == -np.inf
   assert np.all(np.isfinite(np.asarray(state.compensation["b"], np.float32)))
   assert np.all(np.isfinite(np.asarray(written["b"], np.float32)[[0, 2]]))
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_an_infinite_entry_that_its_update_would_make_nan_skips_the_step(rounding, branch):
+  # adamw's weight decay of a masked logit's -inf bias is an update of +inf: -inf + inf is
+  # NaN, from finite gradients. The step is skipped, as any other non-finite write is.
+  params = {"b": jnp.array([-jnp.inf, 1.0], jnp.bfloat16)}
+  tx = jls.loss_scaling(optax.adamw(1e-3, weight_decay=0.1), jls.NoOpLossScale(),
+                        rounding=rounding)
+  grads = {"b": jnp.array([0.0, 0.5], jnp.bfloat16)}
+  written, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(written, params)
+  assert int(state.nonfinite_update_steps) == 1 and not bool(state.last_applied)
+  if rounding == "nearest":  # `update` writes nothing: only nearest's updates are its own
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert int(state.nonfinite_update_steps) == 1
 
 
 # --- a skipped step never happened ----------------------------------------------------------
