@@ -265,10 +265,9 @@ def _check_compensation(compensation: Any, params: Any) -> None:
   would leave a parameter uncompensated or keep its residuals in another format."""
   is_none = lambda x: x is None
   arrays = _trees.partition(params)[0]
-  expected = _rounding.compensation_buffers(arrays)
-  ours = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_none)[0]
+  ours = jax.tree_util.tree_flatten_with_path(arrays, is_leaf=is_none)[0]
   try:
-    theirs = jax.tree.structure(expected, is_leaf=is_none).flatten_up_to(compensation)
+    theirs = jax.tree.structure(arrays, is_leaf=is_none).flatten_up_to(compensation)
   except (TypeError, ValueError):
     theirs = None
   if theirs is None or len(theirs) != len(ours):
@@ -277,9 +276,10 @@ def _check_compensation(compensation: Any, params: Any) -> None:
         f"other parameters (its buffers {str(jax.tree.structure(compensation)):.200}). Call "
         "tx.init with the parameters the step writes.")
   describe = lambda x: "None" if x is None else f"{jnp.result_type(x)}{list(jnp.shape(x))}"
-  params_leaves = jax.tree.leaves(arrays, is_leaf=is_none)
-  for (path, want), have, p in zip(ours, theirs, params_leaves, strict=True):
-    if describe(have) != describe(want):
+  for (path, p), have in zip(ours, theirs, strict=True):
+    want = p if p is not None and _rounding.is_narrow(p) else None  # its buffer's dtype, shape
+    if (have is None) != (want is None) or (want is not None and (
+        jnp.result_type(have) != jnp.result_type(want) or jnp.shape(have) != jnp.shape(want))):
       where = jax.tree_util.keystr(path)
       needs = (f"needs a {describe(want)} buffer" if want is not None else
                "has none (only parameters narrower than float32 are compensated)")
