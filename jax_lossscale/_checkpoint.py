@@ -4,8 +4,9 @@ earlier one, restored into a state of today's layout.
 A checkpoint read without a target is a tree of plain containers: orbax gives a
 NamedTuple as a dict keyed by its fields and a tuple as a list, flax's msgpack both as
 dicts (a tuple's entries keyed "0", "1", ...). The target (`like`) names every leaf by its
-key path, and each is looked up along that path. One earlier layout is read besides
-today's: the six step counts in one int32 vector, in the order of `COUNTS`.
+key path, and each is looked up along that path. Earlier layouts are read besides today's:
+the six step counts in one int32 vector, in the order of `COUNTS`, with or without the
+last step's scale after them; a `MeasuredLossScale` without its proven scale.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def restore_state(saved: Any, like: Any) -> Any:
     `like`'s tree holding the checkpoint's values, cast to `like`'s dtypes where both are
     floating (a float32 moment into a `state_dtype=jnp.bfloat16` state, rounded to
     nearest), on `like`'s shardings. What a checkpoint may lack starts as `init` makes it:
-    the compensation buffers (zeros), the stochastic rounding's counter and `grad_norm`.
+    the compensation buffers (zeros), the stochastic rounding's counter, `grad_norm` and
+    a `MeasuredLossScale`'s proven scale (0); the last step's scale, where the checkpoint
+    predates it, as the restored scale.
 
   Raises:
     ValueError: naming the path, where the checkpoint has no value for a leaf of `like`
@@ -64,9 +67,12 @@ def restore_state(saved: Any, like: Any) -> Any:
     fields = {}
     for name in LossScalingState._fields:
       field_path = (*path, jax.tree_util.GetAttrKey(name))
-      if name in _transform.RESTARTED and _find(saved, field_path) is _MISSING:
+      missing = _find(saved, field_path) is _MISSING
+      if name in _transform.RESTARTED and missing:
         fields[name] = jax.tree.map(functools.partial(_as_init_makes_it, name),
                                     getattr(target, name))
+      elif name == "last_loss_scale" and missing:  # written before it was kept: the scale
+        fields[name] = _like(fields["loss_scale"](), target.last_loss_scale)
       else:
         fields[name] = _restore_tree(saved, field_path, getattr(target, name))
     return LossScalingState(**fields)
@@ -78,7 +84,12 @@ def _as_init_makes_it(name: str, target: Any) -> jax.Array:
   """A leaf of the field `name` of `RESTARTED` as `init` makes it, of `target`'s shape,
   dtype and sharding: an array of its own, where `target` may be abstract (a
   `ShapeDtypeStruct`) or an array that a donating step would delete."""
-  value = jnp.full(target.shape, _transform.RESTARTED[name], target.dtype)
+  return _like(_transform.RESTARTED[name], target)
+
+
+def _like(value: Any, target: Any) -> jax.Array:
+  """`value` broadcast to `target`'s shape, in its dtype, on its sharding."""
+  value = jnp.broadcast_to(jnp.asarray(value, target.dtype), target.shape)
   sharding = getattr(target, "sharding", None)
   return value if sharding is None else jax.device_put(value, sharding)
 
@@ -89,6 +100,10 @@ def _restore_tree(saved: Any, path: tuple, like: Any) -> Any:
     full = (*path, *subpath)
     value = _find(saved, full)
     where = jax.tree_util.keystr(full)
+    name = _trees.key_entry(full[-1]) if full else None
+    if (value is _MISSING and name in _transform.RESTARTED_LOSS_SCALE
+        and jax.tree_util.GetAttrKey("loss_scale") in full):
+      return _like(_transform.RESTARTED_LOSS_SCALE[name], target)
     if value is _MISSING:
       held = (repr(target) if isinstance(target, _SCALARS) else
               f"{target.dtype}{list(target.shape)}")

@@ -244,13 +244,14 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 100, probes: Any
   skips = np.asarray(state.consecutive_skips)
   # A pmap'd or vmapped state holds one copy per device or run: the most stuck one's.
   at = np.unravel_index(np.argmax(skips), skips.shape)
-  read = lambda x: np.asarray(x)[at]
+  # A loss scale with no array state (fixed, none) holds one scale for every copy.
+  read = lambda x: np.asarray(x)[at] if np.ndim(x) else np.asarray(x)
   consecutive = int(read(skips))
   if consecutive < max_consecutive_skips:
     return
   scale = float(read(state.loss_scale()))
   floor = getattr(state.loss_scale, "min_loss_scale", None)
-  at_floor = floor is not None and scale <= floor
+  at_floor = floor is not None and scale <= np.float32(floor)  # the floor as the scale holds it
   diverges = at_floor or scale <= 1  # unscaled gradients inf/NaN: a smaller scale rarely helps
   losses = int(read(state.consecutive_nonfinite_loss))
   updates = int(read(state.consecutive_nonfinite_updates))

@@ -167,6 +167,9 @@ class LossScalingState(NamedTuple):
 # existed), and the value `init` fills each with: `restore_state` starts them so, in the
 # shapes and dtypes of its target.
 RESTARTED = {"grad_norm": np.nan, "compensation": 0, "rounding_counter": 0}
+# Fields of a loss scale's state added after its class was released, and the value its
+# constructor starts each with: a checkpoint written before may lack them.
+RESTARTED_LOSS_SCALE = {"proven": 0.0}  # MeasuredLossScale's proven scale
 
 jax.export.register_namedtuple_serialization(
     StepCounts, serialized_name="jax_lossscale.StepCounts")

@@ -235,7 +235,14 @@ def state_values(name: str, value: Any, dtype, low: float, high: float,
     raise ValueError(f"`{name}` must have shape {shape} (after any batch axes), got shape "
                      f"{values.shape}.")
   wide = values.astype(np.float64)  # a float16 compared with float32's max overflows
-  ok = np.isfinite(wide) & (wide >= low) & (wide <= high)
+  lowest, highest = low, high
+  if not np.issubdtype(dtype, np.integer):
+    # As held and as the updates clamp it: in `dtype`, within the bounds rounded to it
+    # (max_loss_scale=1e30 caps a float32 scale at 1.0000000150474662e30).
+    with np.errstate(over="ignore"):
+      wide = values.astype(dtype).astype(np.float64)
+      lowest, highest = (float(np.asarray(b, dtype)) for b in (low, high))
+  ok = np.isfinite(wide) & (wide >= lowest) & (wide <= highest)
   if np.issubdtype(dtype, np.integer):
     ok &= np.round(wide) == wide
     allowed = f"an integer in [{low}, {high}]"

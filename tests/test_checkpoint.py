@@ -7,6 +7,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -82,6 +83,32 @@ def test_a_flax_msgpack_checkpoint_of_packed_counts_restores_into_named_counts()
   saved = serialization.msgpack_restore(serialization.to_bytes(packed(state)))
   restored = jls.restore_state(saved, like=tx.init(PARAMS))
   chex.assert_trees_all_equal(restored, state)
+
+
+def test_packed_counts_written_before_the_last_scale_was_kept_restore_it_as_the_scale():
+  # The first packed layout: loss scale, inner state, counts, last_applied, nothing after.
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.DynamicLossScale(64.0, hysteresis=2))
+  state = trained_state(tx)
+  first = {"loss_scale": state.loss_scale, "inner_state": state.inner_state,
+           "counts": jnp.stack(list(state.counts)), "last_applied": state.last_applied}
+  saved = serialization.msgpack_restore(serialization.to_bytes(first))
+  restored = jls.restore_state(saved, like=tx.init(PARAMS))
+  assert float(restored.last_loss_scale) == float(state.loss_scale())
+  chex.assert_trees_all_equal(restored._replace(last_loss_scale=state.last_loss_scale), state)
+
+
+def test_a_measured_scale_written_before_it_kept_its_proven_scale_restores_it_as_zero():
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.MeasuredLossScale())
+  state = trained_state(tx)
+  older = {"current_loss_scale", "maxima", "ceiling", "patience", "strikes"}
+  written = {name: getattr(state.loss_scale, name) for name in older}
+  saved = serialization.to_state_dict(state._replace(loss_scale=None))
+  saved["loss_scale"] = jax.tree.map(np.asarray, written)
+  restored = jls.restore_state(saved, like=tx.init(PARAMS))
+  assert float(restored.loss_scale.proven) == 0.0
+  for name in older:
+    chex.assert_trees_all_equal(getattr(restored.loss_scale, name),
+                                getattr(state.loss_scale, name))
 
 
 def test_a_checkpoint_of_todays_layout_restores_inside_a_larger_tree(tmp_path):

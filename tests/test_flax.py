@@ -221,6 +221,22 @@ def test_loss_scaling_states_round_trip_through_flax_serialization():
   assert restored.loss_scale.get_config() == state.loss_scale.get_config()
 
 
+@pytest.mark.parametrize("loss_scale, grads", [
+    (jls.DynamicLossScale(6e29, increment_period=1, max_loss_scale=1e30), jnp.ones(3)),
+    (jls.DynamicLossScale(1.0, min_loss_scale=0.7), jnp.full(3, jnp.inf)),
+    (jls.MeasuredLossScale(1.0, min_loss_scale=0.7), jnp.full(3, jnp.inf))],
+    ids=["capped_at_1e30", "floored_at_0.7", "measured_floored_at_0.7"])
+def test_a_scale_held_at_a_bound_that_float32_rounds_round_trips(loss_scale, grads):
+  # The scale is clamped to the bound as float32 holds it (1e30 is 1.0000000150474662e30
+  # there, 0.7 is 0.699999988): a restored state is checked against that, not the float64.
+  tx = jls.loss_scaling(optax.sgd(0.1), loss_scale)
+  params = {"w": jnp.ones(3)}
+  _, state = tx.update({"w": grads}, tx.init(params), params)
+  assert float(state.loss_scale()) in (float(np.float32(1e30)), float(np.float32(0.7)))
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  chex.assert_trees_all_equal(restored, state)
+
+
 @pytest.mark.parametrize("saved, target, match", [
     (jls.DynamicLossScale(), jls.FixedLossScale(128.0),
      r"\['current_loss_scale', 'hysteresis_left', 'num_good_steps'\].*FixedLossScale"),

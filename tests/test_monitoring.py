@@ -230,6 +230,28 @@ def test_raise_if_stuck_knows_the_floor_of_every_scale_that_backs_off():
     jls.raise_if_stuck(state, max_consecutive_skips=5)
 
 
+def test_raise_if_stuck_knows_a_floor_that_float32_rounds():
+  # 1.1 is 1.10000002 in float32, where the scale is held and floored.
+  tx = jls.loss_scaling(optax.sgd(0.1), jls.DynamicLossScale(4.4, min_loss_scale=1.1))
+  state = steps(tx, [(BAD, None)] * 5)
+  with pytest.raises(jls.LossScaleStuckError, match=r"minimum 1.1\b.*diverges"):
+    jls.raise_if_stuck(state, max_consecutive_skips=5)
+
+
+@pytest.mark.parametrize("loss_scale", [jls.NoOpLossScale(), jls.FixedLossScale(8.0),
+                                        jls.DynamicLossScale(8.0)])
+def test_raise_if_stuck_reads_a_vmapped_state_of_any_loss_scale(loss_scale):
+  # Three runs at once; a fixed scale is one for all of them, not an array per run.
+  tx = jls.loss_scaling(optax.sgd(0.1), loss_scale)
+  params = jnp.ones((3, 2))
+  step = jax.vmap(lambda g, s, p: tx.update(g, s, p)[1])
+  state = jax.vmap(tx.init)(params)
+  for _ in range(3):
+    state = step(jnp.full((3, 2), jnp.inf), state, params)
+  with pytest.raises(jls.LossScaleStuckError, match=r"the last 3 steps were all skipped"):
+    jls.raise_if_stuck(state, max_consecutive_skips=3)
+
+
 @pytest.mark.parametrize("loss_scale", [jls.NoOpLossScale(), jls.FixedLossScale(1.0)],
                          ids=["no_op", "fixed_at_1"])
 def test_raise_if_stuck_at_scale_1_blames_the_model_not_the_scale(loss_scale):
