@@ -588,8 +588,13 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   reshape merged axes since), and so part of the matmul, as PyTorch's `linear`. An
   attention mask added to the scores (`q @ k.T + mask`, varying over the queries and the
   keys, the free axes of both operands, or over the batch) is not one: added in float16,
-  its -1e9 would be -inf, and a row of them NaN after the softmax."""
+  its -1e9 would be -inf, and a row of them NaN after the softmax. Nor is a value the
+  program computes (a key-padding mask `where(keep, 0, -1e9)[None, :]`, which varies
+  over the keys alone): a bias is a parameter, an input of the program or a constant,
+  possibly cast."""
   if op.name != "add" or len(operands) != 2:
+    return False
+  if op.origin(i).computed:
     return False
   result, origin = operands[1 - i], op.origin(1 - i)
   if origin.primitive not in MATMUL or not _is_floating(result):

@@ -46,7 +46,7 @@ class CompiledBySignature:
     else:
       graphdef, state = _trees.nnx().split(inputs)
       leaves, treedef = jax.tree.flatten(state)
-    static = tuple(None if _trees.is_array(x) else x for x in leaves)
+    static = tuple(None if _trees.is_array(x) else _Static(x) for x in leaves)
     signature = (graphdef, treedef, static)
     try:
       hash(signature)
@@ -60,13 +60,32 @@ class CompiledBySignature:
 
   def _arrays_of(self, signature, arrays):
     graphdef, treedef, static = signature
-    inputs = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(
+    inputs = jax.tree.unflatten(treedef, [s.value if a is None else a for a, s in zip(
         arrays, static, strict=True)])
     if graphdef is not None:
       inputs = _trees.nnx().merge(graphdef, inputs)
     arrays, self._static_outputs[signature] = _trees.partition(self._fn(*inputs))
     graph = _nnx_objects(inputs) if graphdef is not None else ()
     return arrays, [_trees.nnx().state(obj) for obj in graph]
+
+
+class _Static:
+  """A leaf that is not an array, as part of a signature: equal to another of its type
+  and value only, as `jax.jit`'s static arguments are (`2`, `2.0` and `True` are equal in
+  Python, and would share a program traced with the first), a float by its bits (`-0.0`
+  is not `0.0`; a NaN is itself, not a new signature at every call)."""
+
+  __slots__ = ("value", "_key")
+
+  def __init__(self, value: Any):
+    self.value = value
+    self._key = (type(value), value.hex() if isinstance(value, float) else value)
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _Static) and self._key == other._key
+
+  def __hash__(self) -> int:
+    return hash(self._key)
 
 
 def _nnx_objects(tree: Any) -> list | None:

@@ -446,10 +446,13 @@ class Origin:
       squeezes and broadcasts), its groups of feature axes: `dot_general`'s free axes of
       its left-hand operand and those of its right-hand one, a convolution's output
       feature axis; else None (also where a reshape merged or split them).
+    computed: whether the program computed it from other values (by anything but
+      reshaping, transposing, broadcasting and casting an input or a constant).
   """
   primitive: str | None = None
   constant: Any = None
   features: tuple[tuple[int, ...], ...] | None = None
+  computed: bool = False
 
 
 def _moved_axes(eqn: Any, groups: tuple[tuple[int, ...], ...] | None
@@ -705,7 +708,8 @@ def operations(program: Program) -> list[Operation | Call]:
       result = dataclasses.replace(sources[0],
                                    features=_moved_axes(eqn, sources[0].features))
     else:
-      result = Origin(name, features=output_features(eqn))
+      cast = name == "convert_element_type" and not sources[0].computed
+      result = Origin(name, features=output_features(eqn), computed=not cast)
     origins.update((v, result) for v in eqn.outvars)
   return _calls(made, {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
 

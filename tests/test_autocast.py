@@ -77,6 +77,21 @@ def test_called_without_jit_it_compiles_once_and_nnx_state_is_written_back():
                              rtol=1e-2, atol=1e-3)
 
 
+def test_called_without_jit_arguments_equal_in_value_but_not_in_type_are_other_calls():
+  # 2, 2.0 and True are equal in Python: each must run as its own call, as under
+  # jax.jit's static arguments, not as the program traced with the first.
+  f = jls.autocast(lambda x, n: x * n)
+  x = jnp.arange(4)
+  for n in (2, 2.0, True, 2, np.float32(2.0), -0.0, 0.0, float("nan"), float("nan")):
+    out, expected = f(x, n), x * n
+    assert out.dtype == expected.dtype, n
+    np.testing.assert_array_equal(out, expected)
+    assert np.signbit(out).tolist() == np.signbit(expected).tolist(), n
+  with count_compiles() as compiles:
+    f(x, float("nan"))  # a new NaN object: the same signature
+  assert compiles == []
+
+
 def test_convolutions_run_in_compute_dtype_forward_and_backward():
   image, kernel = jnp.ones((1, 2, 6, 6)), jnp.ones((3, 2, 3, 3)) / 9
   conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)

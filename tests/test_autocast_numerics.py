@@ -196,6 +196,30 @@ def test_an_additive_attention_mask_is_not_a_bias_and_a_fully_masked_row_stays_f
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one example", "vmapped"])
+def test_a_key_padding_mask_computed_in_the_step_is_not_a_bias(batched):
+  # `where(keep, 0, -1e9)[None, :]` varies over the keys alone, the free axis of `k`, as a
+  # bias of `q @ k.T` would; but the program computes it, where a bias is a parameter.
+  # Added in float16 its -1e9 is -inf, and an example of padding only gives NaN.
+  q, k, v = (jax.random.normal(key, (n, 16)) for key, n in zip(KEYS[:3], (4, 6, 6), strict=True))
+
+  def attention(q, k, v, keep):
+    mask = jnp.where(keep, 0.0, -1e9)[None, :]
+    return jnp.sum(jax.nn.softmax(q / 4 @ k.T + mask, axis=-1) @ v)
+
+  keep = jnp.array([[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], bool)
+  if not batched:
+    keep = keep[1]
+  run = lambda f: jax.vmap(f, (None, None, None, 0)) if batched else f
+  ran = jls.precision_summary(run(jls.autocast(attention)), q, k, v, keep)
+  assert dtypes_of(ran, "add") == {"float32"}
+  np.testing.assert_allclose(run(jls.autocast(attention))(q, k, v, keep),
+                             run(attention)(q, k, v, keep), rtol=1e-2)
+  grads = jax.grad(lambda *a: jnp.sum(run(jls.autocast(attention))(*a)), argnums=(0, 1, 2))(
+      q, k, v, keep)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
 def test_flax_attention_with_a_padding_bias_stays_finite():
   class Attention(linen.Module):
     @linen.compact

@@ -162,6 +162,19 @@ def test_an_operation_tells_where_its_operands_come_from_through_reshapes():
   assert seen["dot_general"].origin(0) == internals.Origin()  # an input
 
 
+def test_an_operation_tells_whether_the_program_computed_an_operand():
+  def f(b, keep):  # a cast input, and a value computed from one (a mask)
+    return b.astype(jnp.float16)[None, :] + jnp.where(keep, 0.0, -1e9)[None, :]
+
+  args = [jnp.ones(3), jnp.ones(3, bool)]
+  program, _ = internals.trace(f, args)
+  seen = {}
+  internals.evaluate(program, args, lambda op, xs: seen.setdefault(op.name, op) and op.bind(xs))
+  cast, mask = seen["add"].origins
+  assert (cast.primitive, cast.computed) == ("convert_element_type", False)
+  assert mask.computed and not internals.Origin().computed  # an input is not
+
+
 def test_a_matmuls_result_tells_its_output_feature_axes_wherever_they_move():
   def f(x, w, kernel, image):
     y = jnp.einsum("bqd,bkd->bqk", x, w)  # batch, then the left's free axis, then the right's
