@@ -207,6 +207,13 @@ def refuses_probed_modules(error: BaseException) -> bool:
   return any(repr(cls) in str(error) for cls in probed)
 
 
+def refuses_row_index(error: BaseException) -> bool:
+  """Whether `error` is flax NNX's error for a Variable that an `nnx.scan` or `nnx.vmap`
+  cannot place: the row index given to a stacked module (`_nnx_annotated`), which the
+  transform's `nnx.StateAxes` (naming the model's own Variable types) does not cover."""
+  return isinstance(error, ValueError) and repr(_ANNOTATION.format("index")) in str(error)
+
+
 # --- the first pass -----------------------------------------------------------------
 
 
@@ -229,6 +236,9 @@ def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options,
 
   * `nested`: a scan inside a scan sliced a stacked module's row index twice (a stack
     of stacks). Rows are turned off: the probes in the stack sum over its layers.
+  * The attempt raised NNX's error of a row index that an `nnx.scan`'s `nnx.StateAxes`
+    does not place (`refuses_row_index`: the filters name the model's own Variable
+    types). Rows are turned off likewise.
   * The attempt raised the error of a loss that combines the probed equinox copy it is
     given with a static part of its own (`refuses_probed_modules`). The copy is turned
     off: the loss is given the model itself, its modules unprobed. If the loss then
@@ -240,6 +250,8 @@ def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options,
   try:
     return _settled(attempt, options)
   except ValueError as error:
+    if refuses_row_index(error):
+      return _settled(attempt, options._replace(rows=False))
     if not refuses_probed_modules(error):
       raise
     refused = error
