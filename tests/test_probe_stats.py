@@ -111,6 +111,24 @@ def test_tensors_measured_from_bit_patterns_give_the_float_statistics(dtype):
     np.testing.assert_array_equal(below_normal, magnitude < 2.0**-14)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
+                                   jnp.float8_e5m2fnuz, jnp.float64])
+def test_eight_bit_floats_and_float64_give_the_float_statistics(dtype):
+  # float16's smallest normal is 0 in e4m3 (a subnormal fraction of -25%), e4m3fnuz's NaN
+  # is a negative zero's bits (read as a zero), and a float64 of 1e300 is not inf.
+  x = np.array([0.0, 1.0, 2.0**-9, -3.0, np.nan], np.float32)
+  with jax.enable_x64(dtype == jnp.float64):
+    t = jnp.asarray(x if dtype != jnp.float64 else x.astype(np.float64) * 1e300, dtype)
+    largest, zeros, subnormals = (float(v) for v in probe_stats.values(t, True))
+    assert (largest, zeros, subnormals) == (np.inf, float(np.float32(0.2)), 0.0)
+    finite = t[:4]
+    expected = min(float(jnp.max(jnp.abs(finite.astype(jnp.float64 if dtype == jnp.float64
+                                                       else jnp.float32)))),
+                   float(np.finfo(np.float32).max))
+    assert float(probe_stats.values(finite, True)[0]) == expected
+    assert float(probe_stats.values(finite, True)[2]) == 0.0
+
+
 @pytest.mark.parametrize("shape, kept", [
     ((1024, 64, 64), 1),  # rows of the first axis
     ((1, 2, 8, 2**18), 3),  # enough rows only from the third axis on

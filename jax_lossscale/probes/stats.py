@@ -144,14 +144,23 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
   # A gradient known when compiling (the loss a sum of the probed tensor) would otherwise
   # be reduced by XLA's constant folding, element by element, at compile time.
   t = lax.optimization_barrier(t)
+  if jnp.dtype(t.dtype).itemsize == 1:
+    # 8-bit floats read as float16 (which holds each exactly, e8m0's powers of two as
+    # float32): float16's smallest normal is 0 in e4m3, and e4m3fnuz's NaN is the bits
+    # of a negative zero, which the sign's mask made a zero.
+    wide = jnp.float32 if jnp.finfo(t.dtype).max > jnp.finfo(jnp.float16).max else jnp.float16
+    t = t.astype(wide)
   kept, operands = _kept_axes(t.shape), bit_operands(t)
   if kept:
     operands = lax.reduce(operands, _bit_init(t), _combine, tuple(range(kept, t.ndim)))
   largest, zeros, below_normal = lax.reduce(operands, _bit_init(t), _combine,
                                             tuple(range(kept or t.ndim)))
   count = lambda c: c.astype(jnp.float32) / (max(t.size, 1) if fractions else 1)
-  return (as_magnitude(largest, t.dtype).astype(jnp.float32), count(zeros),
-          count(below_normal - zeros))
+  largest = as_magnitude(largest, t.dtype)
+  if jnp.dtype(t.dtype).itemsize > 4:  # float64 (x64): a finite maximum is float32's at most
+    largest = jnp.where(jnp.isfinite(largest), jnp.minimum(largest, jnp.finfo(jnp.float32).max),
+                        largest)
+  return largest.astype(jnp.float32), count(zeros), count(below_normal - zeros)
 
 
 # A tensor is reduced in rows from this size on: a reduction on all threads, then one of
