@@ -129,6 +129,7 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
 
   def adjust(self, grads_finite: jax.Array,
              measured: Any = None) -> ExponentialUpdateLossScaleManager:
+    grads_finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)

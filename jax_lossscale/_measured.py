@@ -142,6 +142,7 @@ class MeasuredLossScale(LossScale):
     return grads_finite
 
   def adjust(self, grads_finite: jax.Array, measured: Any = None) -> MeasuredLossScale:
+    grads_finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
     scale = self()
     limit = np.float32(jnp.finfo(self.dtype).max)
     if measured is None:

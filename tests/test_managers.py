@@ -52,6 +52,16 @@ def test_exponential_manager_bad_steps_need_not_be_consecutive():
   assert int(manager.num_bad_steps) == 0 and int(manager.num_good_steps) == 0
 
 
+@pytest.mark.parametrize("loss_scale", [
+    jls_tf.ExponentialUpdateLossScaleManager(8.0, 1, 1, 2.0, 0.5),
+    jls.MeasuredLossScale(8.0), jls.DynamicLossScale(8.0, increment_period=1)])
+def test_adjust_takes_a_python_bool_as_the_array_it_stands_for(loss_scale):
+  # `~True` is -2 in Python: each adjust reads the flag as a bool array, not by accident.
+  for finite in (True, False):
+    by_bool, by_array = loss_scale.adjust(finite), loss_scale.adjust(jnp.asarray(finite))
+    assert float(by_bool()) == float(by_array())
+
+
 def test_exponential_manager_never_goes_below_one():
   manager = jls_tf.ExponentialUpdateLossScaleManager(1.5, 10, decr_every_n_nan_or_inf=1)
   for _ in range(3):
