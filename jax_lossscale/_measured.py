@@ -145,8 +145,11 @@ class MeasuredLossScale(LossScale):
     grads_finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
     scale = self()
     limit = np.float32(jnp.finfo(self.dtype).max)
-    if measured is None:
-      measured = jnp.zeros([], jnp.float32)
+    if measured is None:  # read as no gradient at all, it would jump to max_loss_scale
+      raise ValueError(
+          "MeasuredLossScale.adjust(grads_finite, measured) needs `measured`, the step's "
+          "largest scaled gradient magnitude (float32 scalar), got None: its scale is set "
+          "from it. update(grads) and loss_scaling pass it.")
     # A non-finite measurement (a probed activation gradient that overflowed while the
     # parameter gradients stayed finite) is an overflow too.
     unscaled = jnp.asarray(measured, jnp.float32) / scale

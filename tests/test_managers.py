@@ -52,14 +52,22 @@ def test_exponential_manager_bad_steps_need_not_be_consecutive():
   assert int(manager.num_bad_steps) == 0 and int(manager.num_good_steps) == 0
 
 
-@pytest.mark.parametrize("loss_scale", [
-    jls_tf.ExponentialUpdateLossScaleManager(8.0, 1, 1, 2.0, 0.5),
-    jls.MeasuredLossScale(8.0), jls.DynamicLossScale(8.0, increment_period=1)])
-def test_adjust_takes_a_python_bool_as_the_array_it_stands_for(loss_scale):
+@pytest.mark.parametrize("loss_scale, measured", [
+    (jls_tf.ExponentialUpdateLossScaleManager(8.0, 1, 1, 2.0, 0.5), None),
+    (jls.MeasuredLossScale(8.0), jnp.float32(4.0)),
+    (jls.DynamicLossScale(8.0, increment_period=1), None)])
+def test_adjust_takes_a_python_bool_as_the_array_it_stands_for(loss_scale, measured):
   # `~True` is -2 in Python: each adjust reads the flag as a bool array, not by accident.
   for finite in (True, False):
-    by_bool, by_array = loss_scale.adjust(finite), loss_scale.adjust(jnp.asarray(finite))
+    by_bool = loss_scale.adjust(finite, measured)
+    by_array = loss_scale.adjust(jnp.asarray(finite), measured)
     assert float(by_bool()) == float(by_array())
+
+
+def test_a_measured_scale_adjusted_without_its_measurement_is_refused():
+  # Read as a step with no gradient, it jumped to max_loss_scale (2**24).
+  with pytest.raises(ValueError, match=r"needs `measured`.*got None"):
+    jls.MeasuredLossScale(8.0).adjust(jnp.asarray(True))
 
 
 def test_exponential_manager_never_goes_below_one():
