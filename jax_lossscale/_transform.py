@@ -10,6 +10,7 @@ next loss scale and the counters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -385,7 +386,7 @@ def decide(grads: Any, loss_scale: LossScale, loss: Any, axis_name: _finite.Axis
   if max_norm is None:
     grads_finite = _finite.finite_after(largest, unscaling)
     if norm:
-      grad_norm = unscaling(global_norm(grads))
+      grad_norm = _unscaled_norm(grads, unscaling)
   else:
     grads_finite, grad_norm, unscaling = _clipped(grads, unscaling, max_norm)
   grad_norm = _finite.agree_max(grad_norm, axis_name) if norm else None
@@ -432,7 +433,7 @@ def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float) -> _Clip
   The norm is taken of the scaled gradients (the kernel optax's clip uses) and unscaled
   as a scalar: for a power-of-two scale, exactly the norm of the unscaled gradients.
   """
-  norm = unscaling(global_norm(grads))
+  norm = _unscaled_norm(grads, unscaling)
   finite = jnp.isfinite(norm)
   # float16 and float8 gradients can overflow their own dtype when unscaled by a scale
   # below 1 while the float32 norm stays finite: those are checked exactly.
@@ -441,6 +442,32 @@ def _clipped(grads: Any, unscaling: _numerics.Rescale, max_norm: float) -> _Clip
     finite &= _finite.finite(short, unscaling)
   clip = jnp.where(norm < max_norm, 1, max_norm / norm)  # float64 for float64 norms
   return _Clipped(finite, norm, unscaling.times(clip))
+
+
+def _unscaled_norm(grads: Any, unscaling: _numerics.Rescale) -> jax.Array:
+  """The global norm of the unscaled gradients: `unscaling(global_norm(grads))`, taken of
+  the scaled ones. Where that sum of squares overflows (a norm beyond about 1.8e19 in
+  float32) though every gradient is finite, it is taken again, only then (a `lax.cond`),
+  of each leaf divided by a power of two at its largest magnitude, exactly: the norm of
+  finite gradients is finite wherever float32 holds it unscaled."""
+  norm = unscaling(global_norm(grads))
+  if not _trees.float_leaves(grads):
+    return norm
+
+  def rescaled():
+    # Each leaf divided by a power of two at its own largest magnitude (one scalar per
+    # leaf, fused into its loop: one shared by leaves of one shape XLA made an array),
+    # its norm then brought to the largest leaf's power of two, and the sum to its own.
+    one = jnp.ones([], norm.dtype)
+    leaves = [x.astype(_numerics.compute_dtype(x.dtype)) for x in _trees.float_leaves(grads)]
+    exponents = [jnp.frexp(jnp.max(jnp.abs(x), initial=0).astype(norm.dtype))[1]
+                 for x in leaves]  # largest = f * 2**exponent, 0.5 <= f < 1
+    top = functools.reduce(jnp.maximum, exponents)
+    parts = [global_norm([x * jnp.ldexp(jnp.ones([], x.real.dtype), -e)]).astype(norm.dtype)
+             * jnp.ldexp(one, e - top) for x, e in zip(leaves, exponents, strict=True)]
+    return unscaling(jnp.sqrt(sum(p * p for p in parts))) * jnp.ldexp(one, top)
+
+  return jax.lax.cond(jnp.isinf(norm), rescaled, lambda: norm)
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -674,11 +701,14 @@ def loss_scaling(
     clip_by_global_norm: for models trained with gradient clipping: the `max_norm`
       (at least 2**-62) to clip the unscaled gradients to, as `optax.clip_by_global_norm`
       first in `inner` would (to float rounding), but cheaper: the norm's one reduction
-      is also the check, and the clip factor joins the unscaling. A step whose finite
-      gradients have a norm beyond float32 (about 1.8e19 before unscaling) is skipped
-      like an overflow. Inside `shard_map` or `pmap` the norm is of this device's
-      gradients, as optax's would be. Around `optax.MultiSteps` it clips each micro-batch.
-      With `grad_norm=True`, its norm is the one recorded, at no further cost.
+      is also the check, and the clip factor joins the unscaling. The norm of finite
+      gradients is taken exactly wherever float32 holds it unscaled (beyond about 1.8e19
+      before unscaling, of the gradients divided by a power of two, then only); a step
+      whose unscaled norm float32 does not hold is skipped like an overflow, where
+      optax's clip would give zero updates. Inside `shard_map` or `pmap` the norm is of
+      this device's gradients, as optax's would be. Around `optax.MultiSteps` it clips
+      each micro-batch. With `grad_norm=True`, its norm is the one recorded, at no
+      further cost.
     grad_norm: for gradient-norm logging (what most trainers log): record the global L2
       norm of each step's unscaled gradients in the state, read by
       `metrics(opt_state)["grad_norm"]`. Costs one more read of the gradients per step

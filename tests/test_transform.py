@@ -663,31 +663,49 @@ def test_clip_by_global_norm_is_a_clipped_control_run_without_the_skipped_batch(
 
 
 @FUSED
-def test_a_global_norm_beyond_float32_counts_as_non_finite(fused, branch):
-  # Every gradient is finite (4e30), but their norm overflows float32, where optax's
-  # clipping would divide by inf: the step is skipped, like an overflow.
+def test_a_norm_float32_holds_only_unscaled_is_taken_exactly_and_one_it_cannot_skips(
+    fused, branch):
+  # Every gradient is finite (4e30) and their squares overflow float32, but the unscaled
+  # norm (2e30) is a float32: it is taken of the gradients divided by a power of two, and
+  # the step is clipped to it (optax's own clip would divide by an inf norm: zeros).
   params = {"w": jnp.ones(4)}
-  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(4.0), clip_by_global_norm=1.0)
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.DynamicLossScale(4.0), clip_by_global_norm=1.0,
+                        grad_norm=True)
   state = tx.init(params)
-  grads = {"w": jnp.full(4, 4e30)}
-  assert bool(jls.all_finite(grads))
-  new_params, new_state = applied_step(tx, fused)(grads, state, params)
+  new_params, new_state = applied_step(tx, fused)({"w": jnp.full(4, 4e30)}, state, params)
+  assert bool(new_state.last_applied) and float(new_state.loss_scale()) == 4.0
+  np.testing.assert_allclose(new_params["w"], 0.5, rtol=1e-6)
+  np.testing.assert_allclose(float(new_state.grad_norm), 2e30, rtol=1e-6)
+  # A norm beyond float32 even unscaled (3e38 / 4 * 2 at scale 1) is not finite: skipped,
+  # like an overflow.
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.DynamicLossScale(1.0), clip_by_global_norm=1.0)
+  state = tx.init(params)
+  new_params, new_state = applied_step(tx, fused)({"w": jnp.full(4, 3e38)}, state, params)
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
-  assert int(new_state.skipped_steps) == 1 and float(new_state.loss_scale()) == 2.0
+  assert int(new_state.skipped_steps) == 1
 
 
-@pytest.mark.parametrize("norm, applied", [(1.7e19, True), (1.9e19, False)])
-def test_the_norm_overflows_above_the_square_root_of_the_largest_float32(norm, applied):
-  # README: skipped above about 1.8e19 before unscaling, where optax's own clip gives
-  # zero updates instead.
-  params, grads = {"w": jnp.ones(4)}, {"w": jnp.full(4, norm / 2, jnp.float32)}
-  tx = jls.loss_scaling(optax.sgd(1.0), jls.DynamicLossScale(1.0), clip_by_global_norm=1.0)
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["recorded", "clipped"])
+@pytest.mark.parametrize("norm", [1.7e19, 1.9e19, 2e15 * 2.0**15])
+def test_the_norm_of_finite_gradients_is_the_unscaled_norm_beyond_float32s_square_root(
+    norm, clip):
+  # The scaled gradients' squares overflow float32 from a norm of about 1.8e19: the norm
+  # recorded was inf on an applied step, and the clip skipped a step that optax clips.
+  scale = 2.0**15
+  params = {"w": jnp.ones(4)}
+  unscaled = {"w": jnp.full(4, norm / 2 / scale, jnp.float32)}
+  grads = {"w": unscaled["w"] * scale}
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.FixedLossScale(scale), clip_by_global_norm=clip,
+                        grad_norm=True)
   new_params, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
-  assert bool(state.last_applied) == applied
-  np.testing.assert_allclose(new_params["w"], 0.5 if applied else 1.0, rtol=1e-6)
-  clipped = jax.jit(optax.clip_by_global_norm(1.0).update)(grads, optax.EmptyState())[0]
-  np.testing.assert_allclose(clipped["w"], 0.5 if applied else 0.0, rtol=1e-6)
+  assert bool(state.last_applied)
+  np.testing.assert_allclose(float(state.grad_norm), float(optax.tree.norm(unscaled)),
+                             rtol=1e-6)
+  reference = optax.chain(*([optax.clip_by_global_norm(clip)] if clip else []), optax.sgd(1.0))
+  updates, _ = reference.update(unscaled, reference.init(params), params)
+  np.testing.assert_allclose(new_params["w"], optax.apply_updates(params, updates)["w"],
+                             rtol=1e-6)
 
 
 def test_clipping_float16_gradients_squares_them_in_float32():
