@@ -64,6 +64,8 @@ def _dtype_or_none(value: Any) -> jnp.dtype | None:
       return named
   elif value is None or value is float:
     return None
+  elif isinstance(value, (np.ndarray, np.generic, jax.Array)):  # a value, not a dtype
+    return None  # (NumPy would read its `dtype`: `Policy(jnp.ones(3, jnp.float16), ...)`)
   try:
     dtype = jnp.dtype(value)
   except TypeError:

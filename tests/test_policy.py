@@ -112,7 +112,11 @@ def test_policy_refuses_none_naming_the_field(field):
     "f8", "f4", "float", "double", "e", "<f2", "F16", "int8", "", "fp16",
     pytest.param(float, id="python-float"), pytest.param(complex, id="python-complex"),
     jnp.complex64, jnp.int32, np.dtype("uint8"), jnp.bool_, pytest.param(object(), id="object"),
-    pytest.param(np.longdouble, id="float128-that-jax-lacks")])
+    pytest.param(np.longdouble, id="float128-that-jax-lacks"),
+    # Values, not dtypes (NumPy reads their `dtype`: an array passed for a dtype passed).
+    pytest.param(jnp.ones(3, jnp.float16), id="jax-array"),
+    pytest.param(np.float32(7.0), id="numpy-scalar"),
+    pytest.param(np.ones(2, np.float16), id="numpy-array")])
 def test_as_dtype_refuses_anything_but_a_floating_dtype_or_a_policy_name(value):
   with pytest.raises(ValueError) as error:
     _policy.as_dtype(value, "dtype")
