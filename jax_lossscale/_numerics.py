@@ -29,12 +29,27 @@ def log2_floor_ratio(a: Any, b: Any) -> Any:
   `a / b`: the difference of their exponents, less one where `a`'s mantissa is the
   smaller. `ceil(log2(a / b))` is `-log2_floor_ratio(b, a)`.
 
-  JAX arrays (traced or not) are computed by JAX, in their dtype; Python and NumPy
-  numbers by NumPy, so that a float64 on the host keeps its range.
+  JAX arrays (traced or not) are computed by JAX in float32, from their bits, so that a
+  subnormal is read as it is on every platform (XLA:CPU reads one as zero, and its
+  `frexp` with it); Python and NumPy numbers by NumPy, so that a float64 on the host
+  keeps its range.
   """
-  xp = jnp if isinstance(a, jax.Array) or isinstance(b, jax.Array) else np
-  (ma, ea), (mb, eb) = xp.frexp(a), xp.frexp(b)  # x = m * 2**e, m in [0.5, 1)
-  return ea - eb + xp.where(ma >= mb, 0, -1)
+  if not (isinstance(a, jax.Array) or isinstance(b, jax.Array)):
+    (ma, ea), (mb, eb) = np.frexp(a), np.frexp(b)  # x = m * 2**e, m in [0.5, 1)
+    return ea - eb + np.where(ma >= mb, 0, -1)
+  (ma, ea), (mb, eb) = _normalized(a), _normalized(b)
+  return ea - eb + jnp.where(ma >= mb, 0, -1)
+
+
+def _normalized(x: Any) -> tuple[jax.Array, jax.Array]:
+  """`(m, e)` of a positive float32 `x = m * 2**(e - 23)`, `m` an integer in [2**23,
+  2**24), by integer operations on its bits: exact for subnormals too."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+  biased, fraction = bits >> 23, bits & 0x7FFFFF
+  shift = jax.lax.clz(fraction) - 8  # a subnormal's fraction, shifted up to bit 23
+  subnormal = biased == 0
+  m = jnp.where(subnormal, fraction << jnp.maximum(shift, 0), fraction | 0x800000)
+  return m, jnp.where(subnormal, -126 - shift, biased - 127)
 
 
 def is_narrow(dtype) -> bool:
@@ -201,8 +216,9 @@ def times_double(x: jax.Array, factor: float) -> jax.Array:
   out = jnp.where(out_biased >= 255, _u(0x7F800000), jnp.where(out_biased <= 0, _u(0), finite))
   out = jnp.where(biased == _u(0), _u(0), out) | (bits & _u(0x80000000))
   result = jax.lax.bitcast_convert_type(out, jnp.float32)
-  # inf and NaN inputs: whatever float32 arithmetic gives.
-  return jnp.where(biased == _u(0xFF), x * np.float32(factor), result)
+  # inf and NaN inputs are themselves: a positive finite factor keeps them (even one that
+  # float32 would round to zero, whose product with inf is NaN).
+  return jnp.where(biased == _u(0xFF), x, result)
 
 
 def _product_words(m: jax.Array, mantissa: int) -> tuple[jax.Array, ...]:

@@ -111,6 +111,31 @@ def test_times_double_rounds_as_a_double_product_rounded_to_float32(factor):
   np.testing.assert_array_equal(got, want)
 
 
+def test_times_double_keeps_infinities_and_nan_even_for_a_factor_below_float32s_range():
+  # float32(1e-50) is 0, and inf * 0 is NaN: a scale at inf stays inf, whatever the factor.
+  x = jnp.array([np.inf, -np.inf, np.nan, 1.0], jnp.float32)
+  for factor in (1e-50, 0.7, 0.5):
+    got = np.asarray(jax.jit(lambda s, f=factor: _numerics.times_double(s, f))(x))
+    assert list(got[:2]) == [np.inf, -np.inf] and np.isnan(got[2]), (factor, got)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_log2_floor_ratio_is_exact_over_float32s_whole_range_subnormals_included(jitted):
+  # XLA:CPU reads a float32 subnormal as zero (its frexp too): the exponent of a tiny
+  # measured gradient must still be its own, on every platform.
+  rng = np.random.default_rng(0)
+  a = np.concatenate([np.exp2(rng.uniform(-149, 128, 20_000)),
+                      [2.0**-149, 3 * 2.0**-149, 2.0**-127, 2.0**-126, 1.0, 3e38]])
+  a = a.astype(np.float32)
+  b = rng.permutation(a)
+  log2_floor_ratio = jax.jit(_numerics.log2_floor_ratio) if jitted else (
+      _numerics.log2_floor_ratio)
+  got = np.asarray(log2_floor_ratio(jnp.asarray(a), jnp.asarray(b)))
+  # float64 holds every float32 as a normal number: its frexp is exact for all of them.
+  (ma, ea), (mb, eb) = np.frexp(a.astype(np.float64)), np.frexp(b.astype(np.float64))
+  np.testing.assert_array_equal(got, ea - eb + np.where(ma >= mb, 0, -1))
+
+
 def test_subnormal_scales_are_flushed_on_every_platform():
   tiny = np.float32(np.finfo(np.float32).tiny)
   out = np.asarray(_numerics.flush_subnormals(jnp.array([tiny, tiny / 2, -tiny / 4])))
