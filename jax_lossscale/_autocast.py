@@ -234,7 +234,8 @@ def autocast(fun: Callable[..., Any], compute_dtype: Any = jnp.float16,
   # Called outside any transformation, as one program compiled once per signature of the
   # arguments: interpreted anew, the jitted functions inside (`jax.nn.relu`) would be new
   # programs, compiled again at every call.
-  compiled = _eager.CompiledBySignature(interpreted)
+  compiled = _eager.CompiledBySignature(
+      interpreted, f"autocast({getattr(fun, '__name__', type(fun).__name__)})")
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):

@@ -9,10 +9,12 @@ other leaves, which are static), as `jax.jit` would, and keeps nothing else.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jax_lossscale import _jax_internals
 from jax_lossscale import _trees
@@ -31,13 +33,15 @@ class CompiledBySignature:
   is unhashable, `fn` is called as is. flax NNX objects in `inputs` cross the `jit` by
   NNX's split and merge, as `nnx.jit` does, and what `fn` changed in them (batch
   statistics, random-number counts) is written back. The output may hold static leaves
-  too: those of a signature's first trace are returned with its arrays.
+  too: those of the trace for the inputs' signature and arrays' shapes and dtypes (the
+  trace `jit` keeps for them) are returned with its arrays.
   """
 
-  def __init__(self, fn: Callable[..., Any]):
-    self._fn = fn
+  def __init__(self, fn: Callable[..., Any], name: str):
+    self._fn, self._name = fn, name
     self._jitted = jax.jit(self._arrays_of, static_argnums=0)
     self._static_outputs: dict = {}
+    self._warned = False
 
   def __call__(self, *inputs: Any) -> Any:
     graph = _nnx_objects(inputs)
@@ -51,12 +55,13 @@ class CompiledBySignature:
     try:
       hash(signature)
     except TypeError:
+      self._warn_unhashable(static)
       return self._fn(*inputs)
-    arrays, changed = self._jitted(signature, [
-        x if _trees.is_array(x) else None for x in leaves])
+    arrays = [x if _trees.is_array(x) else None for x in leaves]
+    outputs, changed = self._jitted(signature, arrays)
     for obj, state in zip(graph or (), changed, strict=True):
       _trees.nnx().update(obj, state)
-    return _trees.combine(arrays, self._static_outputs[signature])
+    return _trees.combine(outputs, self._static_outputs[signature, _avals(arrays)])
 
   def _arrays_of(self, signature, arrays):
     graphdef, treedef, static = signature
@@ -64,9 +69,39 @@ class CompiledBySignature:
         arrays, static, strict=True)])
     if graphdef is not None:
       inputs = _trees.nnx().merge(graphdef, inputs)
-    arrays, self._static_outputs[signature] = _trees.partition(self._fn(*inputs))
+    # Keyed as `jit` keys its traces: one signature traces again for other shapes, whose
+    # static outputs (a probe's sizes, a batch size in the aux) may differ.
+    key = signature, _avals(arrays)
+    outputs, self._static_outputs[key] = _trees.partition(self._fn(*inputs))
     graph = _nnx_objects(inputs) if graphdef is not None else ()
-    return arrays, [_trees.nnx().state(obj) for obj in graph]
+    return outputs, [_trees.nnx().state(obj) for obj in graph]
+
+  def _warn_unhashable(self, static: tuple) -> None:
+    if self._warned:
+      return
+    self._warned = True
+    kinds = sorted({type(s.value).__name__ for s in static if s is not None
+                    and not _hashable(s)})
+    warnings.warn(
+        f"{self._name} was called outside jit with "
+        f"an argument that is neither an array nor hashable (a {', a '.join(kinds)}): "
+        "it is not compiled once for its signature but run op by op, traced again at "
+        "every call. Make it hashable (a frozen dataclass, a tuple) or mark it static "
+        "in an enclosing jax.jit.", stacklevel=3)
+
+
+def _hashable(x: Any) -> bool:
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return True
+
+
+def _avals(arrays: list) -> tuple:
+  """What `jit` traces again for: each array's shape, dtype and weak type."""
+  return tuple(None if x is None else (jnp.shape(x), jnp.result_type(x),
+                                       jax.typeof(x).weak_type) for x in arrays)
 
 
 class _Static:
@@ -79,13 +114,23 @@ class _Static:
 
   def __init__(self, value: Any):
     self.value = value
-    self._key = (type(value), value.hex() if isinstance(value, float) else value)
+    self._key = (type(value), _bits(value))
 
   def __eq__(self, other: Any) -> bool:
     return isinstance(other, _Static) and self._key == other._key
 
   def __hash__(self) -> int:
     return hash(self._key)
+
+
+def _bits(value: Any) -> Any:
+  """A float by its bits, a complex number by its parts' (`complex(1, -0.0)` is not
+  `complex(1, 0.0)` across a branch cut), anything else as it is."""
+  if isinstance(value, float):
+    return value.hex()
+  if isinstance(value, complex):
+    return value.real.hex(), value.imag.hex()
+  return value
 
 
 def _nnx_objects(tree: Any) -> list | None:

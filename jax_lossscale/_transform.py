@@ -801,7 +801,8 @@ class _Step:
     # than float32 (nearest would freeze slow moving averages such as Adam's nu).
     self.counted = rounding != "nearest" or (
         state_dtype is not None and _numerics.is_narrow(state_dtype))
-    self._eager_step = _eager.CompiledBySignature(self._traced_step)
+    self._eager_step = _eager.CompiledBySignature(
+        self._traced_step, "loss_scaling's update or apply_gradients")
 
   def init(self, params) -> LossScalingState:
     """The initial `LossScalingState`; `inner.init(params)` is its `inner_state`."""

@@ -92,6 +92,36 @@ def test_called_without_jit_arguments_equal_in_value_but_not_in_type_are_other_c
   assert compiles == []
 
 
+def test_called_without_jit_complex_numbers_are_keyed_by_their_parts_bits():
+  # sqrt's branch cut: complex(-1, -0.0) is not complex(-1, 0.0), and a complex NaN is
+  # one signature, not a new one at every call.
+  f = jls.autocast(lambda x, z: x * jnp.sqrt(z))
+  x = jnp.ones(2)
+  for z in (complex(-1, 0.0), complex(-1, -0.0)):
+    np.testing.assert_array_equal(f(x, z), x * jnp.sqrt(z))
+  f(x, complex(float("nan"), 0))
+  with count_compiles() as compiles:
+    f(x, complex(float("nan"), 0))
+  assert compiles == []
+
+
+def test_called_without_jit_an_unhashable_argument_runs_as_it_is_with_a_warning():
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Config:  # not frozen: unhashable
+    weight: float = 2.0
+
+  f = jls.autocast(lambda x, config: x * config.weight)
+  with pytest.warns(UserWarning, match=r"autocast\(<lambda>\).*neither an array nor hashable "
+                    r"\(a Config\)"):
+    out = f(X, Config())
+  np.testing.assert_array_equal(out, X * 2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # once
+    f(X, Config())
+
+
 def test_convolutions_run_in_compute_dtype_forward_and_backward():
   image, kernel = jnp.ones((1, 2, 6, 6)), jnp.ones((3, 2, 3, 3)) / 9
   conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)
