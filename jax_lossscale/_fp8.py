@@ -215,6 +215,8 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
   if not all(_is_floating(x) for x in operands):
     return None
   lhs, rhs = operands
+  if not (lhs.size and rhs.size):  # an empty batch: nothing to scale, nothing to measure
+    return None
   described = Float8Matmul(op.name_scope, tuple(lhs.shape), tuple(rhs.shape))
   measured = recipe.recipes[0] if isinstance(recipe, Measurement) else recipe
   if op.name == "conv_general_dilated":
@@ -742,8 +744,11 @@ def tensor_stats(x: jax.Array, fmt: np.dtype, contract: Any, recipe: Float8Recip
   values, _, _ = scaled(x, fmt, contract, recipe)
   largest = float(jnp.finfo(fmt).max)
   quantized = to_float8(values, fmt)
-  # Non-zero before scaling: a value far below the amax may scale to zero in float32 already.
-  flushed = jnp.sum((x != 0) & (quantized == 0))
+  # Non-zero before scaling: a value far below the amax may scale to zero in float32
+  # already. Non-zero by its bits: XLA:CPU compares a subnormal as zero (and flushes it).
+  magnitude = lax.bitwise_and(lax.bitcast_convert_type(x.astype(_F32), jnp.int32),
+                              np.int32(0x7FFFFFFF))
+  flushed = jnp.sum((magnitude != 0) & (quantized == 0))
   saturated = jnp.sum(~(jnp.abs(values) <= largest))
   return TensorStats(jnp.asarray(x.size), jnp.max(jnp.abs(x.astype(_F32))), flushed, saturated)
 

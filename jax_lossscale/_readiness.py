@@ -11,6 +11,7 @@ values saturated, and the relative error of the float8 product against the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ TENSORS = ("lhs", "rhs", "gradient for lhs", "gradient for rhs")
 # The product each tensor enters, whose error its row reports.
 _PRODUCT = {"lhs": "forward", "rhs": "forward", "gradient for lhs": "lhs gradient",
             "gradient for rhs": "rhs gradient"}
+_PRODUCTS = ("forward", "lhs gradient", "rhs gradient")
 _FORWARD = ("lhs", "rhs", "forward")  # measured by the forward pass
 
 
@@ -181,8 +183,14 @@ def fp8_readiness(fun: Callable[..., Any], *args: Any, compute_dtype: Any = jnp.
 
   def loss(arrays):
     a, k = replace(arrays)
-    outs = [out for out in jax.tree.leaves(measured(*a, **k)) if _trees.is_float(out)]
-    return sum(jnp.sum(out.astype(jnp.float32)) for out in outs)
+    out = measured(*a, **k)
+    floating = [x for x in jax.tree.leaves(out) if _trees.is_float(x)]
+    if not floating:
+      raise TypeError(
+          f"fp8_readiness measures the gradient of `fun`'s floating outputs (its loss): "
+          f"{getattr(fun, '__name__', 'fun')} returned none, got "
+          f"{jax.tree.map(lambda x: getattr(x, 'dtype', type(x).__name__), out)}.")
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in floating)
 
   jax.block_until_ready(jax.jit(jax.grad(loss))(wrt))
   jax.effects_barrier()
@@ -228,8 +236,10 @@ def _rows(matmuls: list, totals: dict, names: tuple, error_limit: float) -> tupl
   for index, matmul in enumerate(matmuls):
     if (index, "lhs", names[0]) not in totals:
       continue  # traced, never run (a branch not taken)
-    worst = {name: max(error(index, product, name) for product in set(_PRODUCT.values())
-                       if (index, product, name) in totals) for name in names}
+    # A NaN error (an operand that held inf or NaN) is the worst: never within the limit.
+    worst = {name: max((error(index, product, name) for product in _PRODUCTS
+                        if (index, product, name) in totals),
+                       key=lambda e: (math.isnan(e), e)) for name in names}
     recommended = next((name for name in names if worst[name] <= error_limit), None)
     for tensor in TENSORS:
       if (index, tensor, names[0]) not in totals:

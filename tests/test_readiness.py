@@ -1,5 +1,7 @@
 """`diagnostics.fp8_readiness`: every count recounted by brute force over the same tensors."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,6 +10,7 @@ import pytest
 from jax import lax
 
 import jax_lossscale as jls
+from jax_lossscale import _readiness
 
 KEYS = jax.random.split(jax.random.key(1), 3)
 # Rows 0-7 of the activations are 1e-4 of the rest; columns 0-3 of the gradient 1e-5.
@@ -109,6 +112,50 @@ def test_rowwise_is_recommended_where_tensorwise_flushes_a_row_and_tensorwise_el
 
 def test_no_recipe_is_recommended_below_float8s_own_error():
   assert jls.diagnostics.fp8_readiness(loss, X, W, error_limit=0.001).recommended() == {0: None}
+
+
+def test_no_recipe_is_recommended_for_a_matmul_whose_error_is_nan():
+  # An operand holding inf: the forward product's error is NaN, the worst of all.
+  report = jls.diagnostics.fp8_readiness(loss, X.at[0, 0].set(jnp.inf), W)
+  assert np.isnan(row(report, "lhs").error["tensorwise"])
+  assert report.recommended() == {0: None}
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(_readiness._PRODUCTS)))
+def test_a_nan_error_in_any_product_withholds_the_recommendation_whatever_their_order(
+    order, monkeypatch):
+  # Python's `max` keeps a NaN only if it comes first: the products were a set, whose
+  # order changed with PYTHONHASHSEED.
+  monkeypatch.setattr(_readiness, "_PRODUCTS", order)
+  stats = {"size": 256, "amax": 1.0, "flushed": 0, "saturated": 0, "calls": 1}
+  errors = {"forward": 0.01, "lhs gradient": np.nan, "rhs gradient": 0.02}
+  totals = {(0, kind, "tensorwise"): dict(stats) for kind in _readiness.TENSORS}
+  totals |= {(0, product, "tensorwise"): {"squared": error**2, "rows": 1.0, "calls": 1}
+             for product, error in errors.items()}
+  matmul = jls.Float8Matmul("", (16, 16), (16, 16))
+  rows = _readiness._rows([matmul], totals, ("tensorwise",), error_limit=0.1)
+  assert [r.recommended for r in rows] == [None] * 4
+
+
+def test_a_subnormal_operand_value_counts_as_flushed():
+  # XLA:CPU compares a subnormal as zero: the count read it as no value at all.
+  tiny = jnp.full((64, 128), 1e-39).at[0, 0].set(1.0)  # bfloat16 subnormals
+  found = row(jls.diagnostics.fp8_readiness(loss, tiny, W), "lhs")
+  assert found.flushed["tensorwise"] == tiny.size - 1 == recount(
+      bfloat16(tiny), 448.0, None, False)[0]
+
+
+def test_a_matmul_over_an_empty_batch_is_left_out():
+  a = jnp.ones((0, 16, 16))
+  einsum = lambda a, c: jnp.sum(jnp.einsum("bij,bjk->bik", a, c))
+  assert jls.diagnostics.fp8_readiness(einsum, a, a).rows == ()
+  ran = jls.precision_summary(jls.autocast(einsum, jnp.bfloat16, fp8="tensorwise"), a, a)
+  assert "float8_e4m3fn" not in str(ran)
+
+
+def test_a_function_with_no_floating_output_is_refused_naming_the_report():
+  with pytest.raises(TypeError, match="fp8_readiness.*floating outputs.*returned none"):
+    jls.diagnostics.fp8_readiness(lambda x, w: jnp.argmax(x @ w, -1), X, W)
 
 
 def test_a_matmul_float8_would_not_take_is_not_listed():
