@@ -230,6 +230,13 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
     # bfloat16 is float32's upper half: 16 random bits added below it, then cut off,
     # carry into it with probability equal to the distance to the next bfloat16.
     raised = value_bits + (bits >> 16)
+    # Above the largest bfloat16 the next one up is inf: a finite value there is rounded
+    # to nearest, inf only at or past the half-way point (as float16's writes and the
+    # convert do), never by chance.
+    overflowed = ((raised & np.uint32(0x7F800000)) == np.uint32(0x7F800000)) & (
+        (value_bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000))
+    nearest = value_bits + (np.uint32(0x7FFF) + ((value_bits >> 16) & np.uint32(1)))
+    raised = jnp.where(overflowed, nearest, raised)
     # A NaN stays one: a carry out of its mantissa would make it ±0, and a mantissa that
     # lies in the lower half alone would be cut off, making it ±inf.
     raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)

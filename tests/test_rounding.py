@@ -142,6 +142,19 @@ def test_stochastic_rounding_is_unbiased_over_entries(dtype, update):
   assert abs(written.mean() - exact) < 4 * standard_error, (written.mean(), exact)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_finite_sum_past_the_largest_value_is_never_rounded_to_inf_by_chance(dtype):
+  # Between the largest finite value and inf there is no number to round up to: the
+  # write rounds to nearest there, inf only where nearest gives inf. Rounded up by
+  # chance, a quarter of the entries became inf and the step was skipped.
+  largest = float(jnp.finfo(dtype).max)
+  spacing = largest - float(jnp.nextafter(jnp.asarray(largest, dtype), jnp.zeros((), dtype)))
+  params = {"w": jnp.full(4096, largest, dtype)}
+  written, state = sgd_step("stochastic", params, {"w": jnp.full(4096, spacing / 4)})
+  assert bool(state.last_applied)
+  np.testing.assert_array_equal(np.asarray(written["w"], np.float32), largest)
+
+
 def test_stochastic_rounding_accumulates_updates_that_nearest_rounds_away():
   update = {"w": jnp.full(4096, 1e-4)}  # an eightieth of bfloat16's spacing at 1.0
   nearest, _ = sgd_step("nearest", {"w": jnp.ones(4096, jnp.bfloat16)}, update, steps=100)
