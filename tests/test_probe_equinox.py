@@ -263,6 +263,34 @@ def test_equinox_mlp_on_one_example_is_probed_layer_by_layer():
       (value, grads), eqx.filter_value_and_grad(loss)(model, jnp.ones(4)))
 
 
+def test_equinox_a_layer_whose_arrays_merely_share_a_leading_axis_gets_no_array_field():
+  # A Linear's weight (8, 4) and bias (8,) share their first axis: given a row index, the
+  # layer held an int32 array that a loss reading the model's arrays saw (it added
+  # `iota(8)` to an L2 penalty) and that a `jax.grad` of the model refused.
+  model = eqx.nn.Linear(4, 8, key=jax.random.key(0))
+  x = jnp.ones((2, 4))
+  leaves = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+
+  def penalized(m, x):
+    arrays = leaves(m)
+    return jnp.mean(jax.vmap(m)(x) ** 2) + sum(jnp.sum(a.astype(jnp.float32) ** 2)
+                                               for a in arrays) / len(arrays)
+
+  def second_order(m, x):  # a MAML-style inner step
+    inner = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+    return inner(jax.tree.map(lambda p, g: p - 0.1 * g, m, jax.grad(inner)(m)))
+
+  state = jls.loss_scaling(optax.sgd(0.1), jls.FixedLossScale(1.0)).init(
+      eqx.filter(model, eqx.is_inexact_array))
+  for loss in (penalized, second_order):
+    grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=eqx.filter_value_and_grad,
+                                        probes=True)
+    value, grads, probes = grad_fn(state, model, x)
+    assert list(probes) == ["Linear"] and int(probes["Linear"].hits) > 0
+    chex.assert_trees_all_close((value, grads), eqx.filter_value_and_grad(loss)(model, x),
+                                rtol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_changes_nothing(
     jit):
@@ -312,7 +340,9 @@ def test_equinox_inside_the_probed_loss_every_module_is_of_its_own_type_and_no_c
 
   pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))(
       model, X, Y)
-  assert seen == [True] * 8  # each pass: the first and the measuring one
+  # Each pass: the first (twice: the scanned stack is found without row indices, then
+  # traced with them) and the measuring one.
+  assert seen == [True] * 12
 
 
 def test_equinox_an_error_of_the_loss_in_the_first_pass_is_raised_at_once():

@@ -163,8 +163,8 @@ def test_equinox_a_probed_module_reads_as_its_module_and_its_index_is_sliced_by_
       jax.random.key(0), 3))
   seen = []
 
-  def on_output(out, index, tag):
-    seen.append((jnp.shape(index), tag))
+  def on_output(out, module):
+    seen.append((jnp.shape(module.probe_index), module.probe_tag))
     return out
 
   probed = intercept.equinox_probed(layers, jnp.arange(3), "layers", on_output)
@@ -184,7 +184,7 @@ def test_equinox_a_probed_module_reads_as_its_module_and_its_index_is_sliced_by_
 def test_equinox_combining_a_probed_module_with_its_modules_static_part_is_recognized():
   # The first pass gives the probed copy up on this error only.
   linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
-  probed = intercept.equinox_probed(linear, None, "linear", lambda out, index, tag: out)
+  probed = intercept.equinox_probed(linear, None, "linear", lambda out, module: out)
   static = eqx.partition(linear, eqx.is_array)[1]
   with pytest.raises(ValueError) as raised:
     eqx.combine(probed, static)
@@ -200,13 +200,13 @@ def test_equinox_combining_a_probed_module_with_its_modules_static_part_is_recog
 def test_the_first_pass_gives_up_the_probed_copy_only_when_the_loss_refuses_it():
   tried = []
   linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
-  probed = intercept.equinox_probed(linear, None, "linear", lambda out, index, tag: out)
+  probed = intercept.equinox_probed(linear, None, "linear", lambda out, module: out)
 
   def attempt(options):
     tried.append(options)
     if options.probed_copy:
       eqx.combine(probed, eqx.partition(linear, eqx.is_array)[1])
-    return "found", False
+    return "found", intercept.Found()
 
   assert intercept.first_pass(attempt) == (intercept.Options(True, False), "found")
   assert tried == [intercept.Options(True, True), intercept.Options(True, False)]
@@ -229,7 +229,24 @@ def test_the_first_pass_is_traced_again_without_rows_after_a_stack_of_stacks():
 
   def attempt(options):
     tried.append(options)
-    return "found", options.rows
+    return "found", intercept.Found(nested=options.rows)
 
   assert intercept.first_pass(attempt) == (intercept.Options(False, True), "found")
   assert tried == [intercept.Options(True, True), intercept.Options(False, True)]
+
+
+def test_the_first_pass_gives_equinox_layers_row_indices_only_after_finding_a_scanned_stack():
+  # The index is an integer array the loss would see in every layer whose arrays share a
+  # leading axis (a Linear's weight and bias): it is added only where a scan needs it.
+  tried = []
+
+  def attempt(options):
+    tried.append(options)
+    return "found", intercept.Found(scanned=not options.equinox_rows)
+
+  assert intercept.first_pass(attempt) == (intercept.Options(True, True, True), "found")
+  assert tried == [intercept.Options(True, True), intercept.Options(True, True, True)]
+  tried.clear()
+  assert intercept.first_pass(lambda options: (tried.append(options), ("found", intercept.Found()))[
+      1]) == (intercept.Options(True, True), "found")
+  assert tried == [intercept.Options(True, True)]

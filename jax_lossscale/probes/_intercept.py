@@ -162,11 +162,10 @@ def nnx_annotation(module: Any, key: str) -> Any:
 # --- equinox ------------------------------------------------------------------------
 
 
-def equinox_probed_class(cls: type, on_output: Callable[[Any, Any, Any], Any]) -> type:
+def equinox_probed_class(cls: type, on_output: Callable[[Any, Any], Any]) -> type:
   """A subclass of equinox module class `cls`, with two more fields: `probe_index` (an
   array or None; sliced with the module's arrays by a scan over a stack) and
-  `probe_tag` (static). Its call is `on_output(out, probe_index, probe_tag)`, `out`
-  being `cls`'s call."""
+  `probe_tag` (static). Its call is `on_output(out, self)`, `out` being `cls`'s call."""
   import equinox as eqx
 
   def make():
@@ -175,8 +174,7 @@ def equinox_probed_class(cls: type, on_output: Callable[[Any, Any, Any], Any]) -
       probe_tag: Any = eqx.field(static=True, default=None)
 
       def __call__(self, *args, **kwargs):
-        return on_output(super().__call__(*args, **kwargs), self.probe_index,
-                         self.probe_tag)
+        return on_output(super().__call__(*args, **kwargs), self)
 
     return _name_after(Probed, cls)
 
@@ -184,7 +182,7 @@ def equinox_probed_class(cls: type, on_output: Callable[[Any, Any, Any], Any]) -
 
 
 def equinox_probed(module: Any, index: jax.Array | None, tag: Any,
-                   on_output: Callable[[Any, Any, Any], Any]) -> Any:
+                   on_output: Callable[[Any, Any], Any]) -> Any:
   """`module` remade as an instance of its probed subclass (`equinox_probed_class`),
   its fields its own, with `index` and `tag`."""
   probed = object.__new__(equinox_probed_class(type(module), on_output))
@@ -223,17 +221,32 @@ class Options(NamedTuple):
   Attributes:
     rows: stacked modules carry a row index, for a row per layer (`stacked_rows`).
     probed_copy: an equinox model reaches the loss as a probed copy (`equinox_probed_copy`).
+    equinox_rows: stacked equinox layers carry their row index (`equinox_rows`).
   """
   rows: bool
   probed_copy: bool
+  equinox_rows: bool = False
 
 
-def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options, Any]:
-  """`(options, result)` of the first `attempt(options)` that returns
-  `(result, nested=False)`, the options all on first.
+class Found(NamedTuple):
+  """What an attempt of the first pass found of the stacks.
 
-  Two outcomes turn one option off and try again, each at most once:
+  Attributes:
+    nested: a scan inside a scan sliced a stacked module's row index twice.
+    scanned: an equinox layer without a row index was called sliced from its stack.
+  """
+  nested: bool = False
+  scanned: bool = False
 
+
+def first_pass(attempt: Callable[[Options], tuple[Any, Found]]) -> tuple[Options, Any]:
+  """`(options, result)` of the first `attempt(options)` whose stacks need no other
+  options, starting with rows and the probed copy on and equinox's row indices off.
+
+  Four outcomes change an option and try again, each at most once:
+
+  * `scanned`: a stacked equinox layer was sliced by a scan (or a vmap) without a row
+    index. Its row indices are turned on, for a row per layer.
   * `nested`: a scan inside a scan sliced a stacked module's row index twice (a stack
     of stacks). Rows are turned off: the probes in the stack sum over its layers.
   * The attempt raised NNX's error of a row index that an `nnx.scan`'s `nnx.StateAxes`
@@ -264,11 +277,15 @@ def first_pass(attempt: Callable[[Options], tuple[Any, bool]]) -> tuple[Options,
     raise
 
 
-def _settled(attempt: Callable[[Options], tuple[Any, bool]], options: Options):
-  """`(options, result)` of `attempt(options)`, tried again without rows if it found
+def _settled(attempt: Callable[[Options], tuple[Any, Found]], options: Options):
+  """`(options, result)` of `attempt(options)`, tried again with equinox's row indices
+  if it found a stacked equinox layer scanned without one, and without rows if it found
   a stack of stacks."""
-  result, nested = attempt(options)
-  if nested and options.rows:
+  result, found = attempt(options)
+  if found.scanned and options.rows and not options.equinox_rows:
+    options = options._replace(equinox_rows=True)
+    result, found = attempt(options)
+  if found.nested and options.rows:
     options = options._replace(rows=False)
     result, _ = attempt(options)
   return options, result

@@ -101,8 +101,11 @@ class _Discovery:
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
   probed_copy: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_probed_copy`
+  equinox_rows: bool = dataclasses.field(default=False, kw_only=True)  # see `equinox_rows`
   # Probes whose row index a scan inside a scan sliced twice (see `nested_stack`).
   nested: set = dataclasses.field(default_factory=set, kw_only=True)
+  # Probes of equinox layers that a scan or vmap sliced with no index (`scanned_stack`).
+  scanned: set = dataclasses.field(default_factory=set, kw_only=True)
   # What probes returned (by id, kept alive): not probed again (a module's last output).
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)  # names, for that
@@ -125,6 +128,7 @@ class _Measurement:
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
   probed_copy: bool = dataclasses.field(default=True, kw_only=True)
+  equinox_rows: bool = dataclasses.field(default=False, kw_only=True)
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)
 
   def probe(self, x, name, index, length):
@@ -209,6 +213,28 @@ def nested_stack(name: str) -> None:
   session = _SESSION.value
   if isinstance(session, _Discovery):
     session.nested.add(name)
+
+
+def equinox_rows() -> bool:
+  """Whether the equinox adapter gives stacked layers their row index (with
+  `stacked_rows`).
+
+  An index is an integer array in the layer, where the loss sees it (a filter on
+  `eqx.is_array`, a `jax.grad` of the model): on only where the first pass found a
+  stacked layer that a scan (or a vmap) sliced (`scanned_stack`), which needs it for a
+  row per layer. A layer whose arrays merely share a leading axis (a `Linear`'s weight
+  and bias) gets none.
+  """
+  return _option("equinox_rows")
+
+
+def scanned_stack(name: str) -> None:
+  """Tells the first pass that the equinox layer probed as `name`, which has no row
+  index, was called with its stack's leading axis sliced off: it is traced again with
+  row indices."""
+  session = _SESSION.value
+  if isinstance(session, _Discovery):
+    session.scanned.add(name)
 
 
 def equinox_probed_copy() -> bool:
@@ -332,12 +358,13 @@ def _discover_with_fallbacks(fun, args, kwargs) -> tuple[dict, _Found]:
   sessions = []
 
   def attempt(options):
-    sessions.append(_Discovery({}, rows=options.rows, probed_copy=options.probed_copy))
-    return _discover(sessions[-1], fun, args, kwargs), bool(sessions[-1].nested)
+    sessions.append(_Discovery({}, **options._asdict()))
+    found = _discover(sessions[-1], fun, args, kwargs)
+    return found, _intercept.Found(nested=bool(sessions[-1].nested),
+                                   scanned=bool(sessions[-1].scanned))
 
   options, found = _intercept.first_pass(attempt)
-  return {"rows": options.rows, "probed_copy": options.probed_copy,
-          "skipped": sessions[-1].skipped}, found
+  return {**options._asdict(), "skipped": sessions[-1].skipped}, found
 
 
 def _discover(session: _Discovery, fun, args, kwargs) -> _Found:

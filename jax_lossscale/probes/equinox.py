@@ -28,9 +28,12 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   Each module that is a layer (callable, unlike a `StateIndex`) probes its output
   (`out` of a stateful layer's `(out, state)`), named by its path in `model`
   (`"layers/0"`; `model` by its class name). A module whose arrays share a leading axis
-  (stacked by `eqx.filter_vmap`) carries a row index: split and scanned with
+  (stacked by `eqx.filter_vmap`) and that the loss calls sliced from its stack (by a
+  `lax.scan`) carries a row index, an integer array: split and scanned with
   `eqx.partition(..., eqx.is_array)`, each layer gets its row (with `is_inexact_array`
-  the integer index stays unsliced, and the layers are summed into one row).
+  the index stays unsliced, and the layers are summed into one row). The first pass
+  finds such a scan without indices and is traced again with them; a layer whose arrays
+  merely share a leading axis (a `Linear`'s weight and bias) gets none.
 
   `fun` gets a probed copy of `model`, made inside `fun` (so the gradients have
   `model`'s structure), in which each layer is an instance of a probed subclass of its
@@ -58,7 +61,7 @@ def _probed_copy(module, path, inherited: tuple[int, ...] | None = None):
   where their arrays are stacked (or the stack they are in, `inherited`, is)."""
   import equinox as eqx
 
-  arrays = jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
+  arrays = _arrays(module)
   stack = stack_of(arrays) if arrays else inherited
   is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
   children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
@@ -69,23 +72,40 @@ def _probed_copy(module, path, inherited: tuple[int, ...] | None = None):
     return copy
   if stack is not None and not core.stacked_rows():
     stack = None
-  index = None if stack is None else row_index(stack)
-  tag = _Tag(_trees.path_name(path) or type(module).__name__, stack)
+  # The index is an array the loss sees: given only once a scan was found slicing a stack.
+  index = None if stack is None or not core.equinox_rows() else row_index(stack)
+  tag = _Tag(_trees.path_name(path) or type(module).__name__, stack,
+             arrays[0].shape if stack is not None and arrays else None)
   return _intercept.equinox_probed(copy, index, tag, _probed_output)
 
 
+def _arrays(module) -> list:
+  import equinox as eqx
+
+  return jax.tree.leaves(eqx.filter(module, eqx.is_inexact_array))
+
+
 class _Tag(NamedTuple):
-  """What a probed layer knows of itself: its `name` in the model and the shape of its
-  row index (`stack_of` its stack's arrays; `None` outside a stack)."""
+  """What a probed layer knows of itself: its `name` in the model, the shape of its row
+  index (`stack_of` its stack's arrays; `None` outside a stack) and the shape of its
+  first array in the stack (`None` outside a stack or for a layer with no array)."""
 
   name: str
   stack: tuple[int, ...] | None
+  shape: tuple[int, ...] | None = None
 
 
-def _probed_output(out, index, tag: _Tag):
-  """A layer's output probed: `out` of a stateful layer's `(out, state)`."""
+def _probed_output(out, layer):
+  """A layer's output probed: `out` of a stateful layer's `(out, state)`. A stacked
+  layer called without a row index, its first array sliced from the stack's, tells the
+  first pass (`core.scanned_stack`)."""
   import equinox as eqx
 
+  index, tag = layer.probe_index, layer.probe_tag
+  if index is None and tag.shape is not None:
+    arrays = _arrays(layer)
+    if arrays and arrays[0].shape == tag.shape[1:]:
+      core.scanned_stack(tag.name)
   stateful = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
   probed = probe_output(out[0] if stateful else out, tag.name, index, tag.stack)
   return (probed, out[1]) if stateful else probed
