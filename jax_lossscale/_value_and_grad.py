@@ -61,8 +61,9 @@ def scaled_value_and_grad(
     axis_name: for data-parallel steps under `pmap` or `shard_map` (flax's and haiku's
       examples): the mapped axis name(s) over which the loss and the gradients are
       averaged (`lax.pmean`, summed in at least float32, where float16's sum of finite
-      values can overflow), as flax's `DynamicScale.value_and_grad(axis_name=...)`
-      does, so every replica gets the same loss and gradients.
+      values can overflow), so every replica gets the same loss and gradients
+      (flax's `DynamicScale.value_and_grad(axis_name=...)` averages the gradients
+      only).
     value_and_grad: the differentiation transform: `jax.value_and_grad` (default),
       `flax.nnx.value_and_grad` (models holding `BatchNorm` or `Dropout` state), or
       `equinox.filter_value_and_grad` (modules with non-array fields; it takes no

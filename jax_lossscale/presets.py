@@ -1,7 +1,7 @@
 """Presets: `DynamicLossScale` instances that behave exactly like the scalers users know.
 
 Each function takes that system's own argument names and defaults and returns the
-equivalent `DynamicLossScale`; README's parity table lists what each maps to and the
+equivalent `DynamicLossScale`; the table of docs/porting.md lists what each maps to and the
 few places where behaviour differs. Every mapping is checked step by step against a
 reference model of that system in `tests/test_parity.py`.
 
