@@ -9,6 +9,8 @@ other options are the chosen demo's. Needs the `demo` extra.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Sequence
 
 MODELS = ("mlp", "transformer")
@@ -55,14 +57,55 @@ def save(fig, path: str) -> None:
 
 
 def argument_parser(model: str, doc: str | None) -> argparse.ArgumentParser:
-  """The command line of `python -m jax_lossscale.demo --model MODEL`, described by `doc`."""
-  return argparse.ArgumentParser(prog=f"python -m jax_lossscale.demo --model {model}",
-                                 description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  """The command line of `python -m jax_lossscale.demo --model MODEL`, described by `doc`.
+
+  Its `--model` option is `main`'s, listed so that the help shows how to choose the demo;
+  a demo's own `main` refuses any other model.
+  """
+  other = next(m for m in MODELS if m != model)
+  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", choices=MODELS, default=model,
+                      help=f"the demo to run: mlp (the default) or transformer; the other "
+                           f"options are the {model} demo's (`--model {other} --help` lists "
+                           f"the {other} demo's)")
+  return parser
+
+
+def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, *,
+                  at_least_one: Sequence[str] = (), at_least_zero: Sequence[str] = (),
+                  positive: Sequence[str] = ()) -> None:
+  """Exits through `parser.error`, before any training, naming the first option out of range.
+
+  Args:
+    parser: the demo's `argument_parser`.
+    args: what it parsed.
+    model: the demo's name: `--model` must be it.
+    at_least_one: options (without `--`) whose every value must be an integer >= 1.
+    at_least_zero: options whose every value must be an integer >= 0.
+    positive: options whose every value must be a finite number > 0.
+
+  `--out`'s directory must exist, so that the plot can be written after training.
+  """
+  if args.model != model:
+    parser.error(f"--model {args.model}: this is the {model} demo's command line; run "
+                 f"`python -m jax_lossscale.demo --model {args.model}`")
+  for names, valid, allowed in ((at_least_one, lambda v: v >= 1, "an integer >= 1"),
+                                (at_least_zero, lambda v: v >= 0, "an integer >= 0"),
+                                (positive, lambda v: v > 0 and math.isfinite(v),
+                                 "a finite number > 0")):
+    for name in names:
+      value = getattr(args, name.replace("-", "_"))
+      for v in value if isinstance(value, list) else [value]:
+        if not valid(v):
+          parser.error(f"--{name} must be {allowed}; got {v}")
+  directory = os.path.dirname(os.path.abspath(args.out))
+  if not os.path.isdir(directory):
+    parser.error(f"--out {args.out}: the directory {directory} does not exist")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(add_help=False)
+  parser = argparse.ArgumentParser(prog="python -m jax_lossscale.demo", add_help=False)
   parser.add_argument("--model", choices=MODELS, default="mlp")
   args, rest = parser.parse_known_args(argv)
   if args.model == "mlp":

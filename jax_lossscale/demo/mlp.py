@@ -43,7 +43,7 @@ class Config:
   hidden: int = 128
   learning_rate: float = 1e-2
   seed: int = 0
-  eval_size: int = 8192
+  eval_size: int = 8192  # held-out windows for the loss and accuracy
 
 
 def windows(data: Text, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -85,13 +85,16 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, dtype=jnp.float32) -> jax.
 
 @dataclasses.dataclass
 class RunResult:
-  """What one training run produced."""
+  """What one training run produced: by step, the training loss, the loss scale the step ran
+  with (before its update changed it) and whether it applied its update; then the scale
+  after the last step, and the evaluation's figures."""
 
   name: str
   params: dict
   losses: np.ndarray
   scales: np.ndarray
   applied: np.ndarray
+  final_scale: float = float("nan")
   eval_loss: float = float("nan")
   accuracy: float = float("nan")
   underflow: float = float("nan")
@@ -109,10 +112,11 @@ def train(name: str, data: Text, config: Config, dtype, loss_scale: jls.LossScal
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, x, y):
+    scale = jls.metrics(opt_state)["loss_scale"]  # the scale this step runs with
     loss, grads, *probes = grad_fn(opt_state, params, x, y, dtype)
     params, opt_state = tx.apply_gradients(grads, opt_state, params, loss=loss,
                                            probes=probes[0] if probes else None)
-    return params, opt_state, (loss, jls.metrics(opt_state))
+    return params, opt_state, (loss, scale, jls.metrics(opt_state))
 
   starts = data.train_starts(config.seed, config.steps, config.batch, CONTEXT + 1)
   steps = range(config.steps)
@@ -127,38 +131,54 @@ def train(name: str, data: Text, config: Config, dtype, loss_scale: jls.LossScal
   history = jax.device_get(history)
   return RunResult(
       name, params,
-      losses=np.array([loss for loss, _ in history]),
-      scales=np.array([m["loss_scale"] for _, m in history]),
-      applied=np.array([m["last_applied"] for _, m in history]),
+      losses=np.array([loss for loss, _, _ in history]),
+      scales=np.array([scale for _, scale, _ in history]),
+      applied=np.array([m["last_applied"] for _, _, m in history]),
+      final_scale=float(history[-1][2]["loss_scale"]),
   )
 
 
+def held_out(data: Text, config: Config, size: int) -> tuple[jax.Array, jax.Array]:
+  """`size` held-out windows, `(contexts, next characters)`: `config.eval_size` of them for
+  the loss and accuracy, `config.batch` (a training batch's worth, so that gradients have a
+  training step's magnitudes) for the gradients."""
+  return windows(data, data.eval_starts(config.seed, size, CONTEXT + 1))
+
+
+@jax.jit
+def _eval_metrics(params: dict, x: jax.Array, y: jax.Array) -> dict:
+  logits = logits_fn(params, x, jnp.float32)
+  return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+          "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+
+
 @functools.partial(jax.jit, static_argnums=3)
-def _eval_metrics(params: dict, x: jax.Array, y: jax.Array, dtype, scale: jax.Array) -> dict:
+def logit_underflow(params: dict, x: jax.Array, y: jax.Array, dtype,
+                    scale: jax.Array) -> jax.Array:
+  """The fraction of d(mean loss over `x`'s windows)/d(logits) = (softmax - onehot) /
+  len(x), times `scale`, that underflows to zero in `dtype` (`gradient_stats` on the
+  float32 values, the logits computed in float32)."""
   logits = logits_fn(params, x, jnp.float32)
   cotangent = jax.grad(
       lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(logits)
-  return {
-      "loss": optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
-      "accuracy": jnp.mean(jnp.argmax(logits, -1) == y),
-      "underflow": jls.diagnostics.gradient_stats(cotangent, dtype, scale)["underflow_fraction"],
-  }
+  return jls.diagnostics.gradient_stats(cotangent, dtype, scale)["underflow_fraction"]
 
 
 def evaluate(run: RunResult, data: Text, config: Config, dtype) -> RunResult:
   """Held-out loss and accuracy, and the gradient signal lost to underflow.
 
-  The backward pass enters the low-precision model at the logits with
-  d(mean loss)/d(logits) = (softmax - onehot) / batch, times the loss scale; this is
-  where a large batch pushes values below float16's smallest subnormal. Measured
-  exactly with `gradient_stats` on the float32 values, at the run's final scale.
+  The loss and accuracy are over `config.eval_size` held-out windows. The backward pass
+  enters the low-precision model at the logits with d(mean loss)/d(logits) =
+  (softmax - onehot) / batch, times the loss scale; this is where a large batch pushes
+  values below float16's smallest subnormal. Measured exactly with `gradient_stats` on
+  the float32 values of `config.batch` held-out windows (a training batch, so that the
+  values have a training step's magnitudes), at the run's final scale.
   """
-  x, y = windows(data, data.eval_starts(config.seed, config.eval_size, CONTEXT + 1))
-  metrics = jax.device_get(
-      _eval_metrics(run.params, x, y, jnp.dtype(dtype), jnp.float32(run.scales[-1])))
+  metrics = jax.device_get(_eval_metrics(run.params, *held_out(data, config, config.eval_size)))
   run.eval_loss = float(metrics["loss"])
   run.accuracy = float(metrics["accuracy"])
-  run.underflow = float(metrics["underflow"])
+  run.underflow = float(logit_underflow(run.params, *held_out(data, config, config.batch),
+                                        jnp.dtype(dtype), jnp.float32(run.final_scale)))
   return run
 
 
@@ -198,15 +218,16 @@ def format_table(runs: Sequence[RunResult]) -> str:
   for r in runs:
     lines.append(
         f"{r.name:<47s} {r.eval_loss:9.4f} {100 * (r.eval_loss / reference - 1):+7.2f}% "
-        f"{100 * r.accuracy:7.2f}% {int((~r.applied).sum()):7d} {r.scales[-1]:11g} "
+        f"{100 * r.accuracy:7.2f}% {int((~r.applied).sum()):7d} {r.final_scale:11g} "
         f"{100 * r.underflow:28.2f}%"
     )
   return "\n".join(lines)
 
 
 def plot(runs: Sequence[RunResult], path: str) -> None:
-  """The training loss of every run, and the loss scale of the scaled runs with their
-  skipped steps; one legend for both panels, below them."""
+  """The training loss of every run, and the loss scale each step of the scaled runs ran
+  with, a skipped step marked at the scale that overflowed; one legend for both panels,
+  below them."""
   fig, (ax_loss, ax_scale) = demo.figure(ncols=2, figsize=(12, 4.8))
   for r in runs:
     ax_loss.plot(r.losses, label=r.name, lw=1.2, **demo.run_style(r.name))
@@ -238,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--seed", type=int, default=defaults.seed)
   parser.add_argument("--out", default="loss_scaling_demo.png", help="where to write the plot")
   args = parser.parse_args(argv)
+  demo.check_options(parser, args, "mlp", at_least_one=("steps", "batch", "hidden"),
+                     at_least_zero=("seed",), positive=("learning-rate",))
   config = Config(args.steps, args.batch, args.hidden, args.learning_rate, args.seed)
 
   start = time.perf_counter()

@@ -392,6 +392,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="one set of runs per seed; losses are reported over seeds")
   parser.add_argument("--out", default="transformer_demo.png", help="where to write the plot")
   a = parser.parse_args(argv)
+  demo.check_options(parser, a, "transformer",
+                     at_least_one=("steps", "batch", "context", "width", "layers"),
+                     at_least_zero=("seeds",), positive=("learning-rate",))
+  if a.width % d.heads:
+    parser.error(f"--width must be a multiple of the number of attention heads, {d.heads}; "
+                 f"got {a.width}")
   config = Config(a.steps, a.batch, a.context, a.width, layers=a.layers,
                   learning_rate=a.learning_rate, seeds=tuple(a.seeds))
   start = time.perf_counter()
