@@ -37,10 +37,11 @@ def variants(optimizer, clip_norm):
 
 
 def parts(optimizer):
-  """Where the step's compile time goes: plain optax with the check's flag as one more
-  output; plain optax inside a `lax.cond` on that flag (what a skip costs); and that
-  `lax.cond` running on unscaled gradients, giving new parameters (the core of
-  `apply_gradients`) or updates, applied after it (the core of `update`)."""
+  """Where the step's compile time goes, `optimizer` being the plain step's (clipped under
+  `--clip`): plain optax with the check's flag as one more output; plain optax inside a
+  `lax.cond` on that flag (what a skip costs); and that `lax.cond` running on unscaled
+  gradients, giving new parameters (the core of `apply_gradients`) or updates, applied
+  after it (the core of `update`)."""
 
   def init_scaled(params):  # the loss scale is state, as in a real step: not a constant
     return jls.DynamicLossScale(), optimizer.init(params)
@@ -78,6 +79,14 @@ def parts(optimizer):
           "updates unscaled in lax.cond": (init_scaled, updates_in_cond_unscaled)}
 
 
+def candidates(clip_norm: float | None) -> dict:
+  """Every variant by name, all running Adam, after `clip_by_global_norm(clip_norm)` if given:
+  `overhead.py`'s variants and the `parts`."""
+  adam = optax.adam(1e-3)
+  inner = adam if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+  return variants(adam, clip_norm) | parts(inner)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,14 +100,19 @@ def main(argv=None) -> None:
                       help="jmp and flax take many minutes to compile at 1000 leaves (flax: "
                            "over 15 minutes of CPU time); add them by name, and "
                            "'plain + check', 'plain in lax.cond', 'unscaled in lax.cond', "
-                           "'updates unscaled in lax.cond' to see where the time goes")
+                           "'updates unscaled in lax.cond' to see where the time goes; "
+                           "'plain', the baseline of the ratios, always runs")
   args = parser.parse_args(argv)
+  known = candidates(1.0 if args.clip else None)
+  unknown = [name for name in args.variants if name not in known]
+  if unknown:
+    parser.error(f"--variants: no variant named {', '.join(map(repr, unknown))}; the variants "
+                 f"are {', '.join(map(repr, known))}")
 
   params = {f"leaf_{i:04d}": jnp.full(tuple(args.shape), 0.5, jnp.float32)
             for i in range(args.leaves)}
   grads = jax.tree.map(lambda p: p * 1e-3, params)
-  candidates = variants(optax.adam(1e-3), 1.0 if args.clip else None) | parts(optax.adam(1e-3))
-  chosen = {name: candidates[name] for name in args.variants if name in candidates}
+  chosen = {name: known[name] for name in dict.fromkeys(["plain", *args.variants])}
   wall = {name: [] for name in chosen}
   cpu = {name: [] for name in chosen}
   for _ in range(args.reps):

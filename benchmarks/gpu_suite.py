@@ -322,7 +322,7 @@ def overhead_part(clip: bool):
             optax.adam(1e-3), clip_norm)
         runs = overhead.compile_variants(int(n), leaves, steps, budget)
         overhead.time_runs(runs, sizes.overhead_reps, budget=budget)
-        rows = overhead.summarize(runs, int(n))
+        rows = overhead.summarize(runs)
         table.rows += [overhead.format_row(n, leaves, name, r) for name, r in rows.items()]
         if len(rows) < len(steps):
           table.notes.append(f"{n:.0e}/{leaves}: {len(steps) - len(rows)} variants left out "
@@ -619,7 +619,7 @@ def writes_part(sizes: Sizes, budget: Budget, table: Table) -> None:
     with checked_steps_in_cond():
       runs |= overhead.compile_variants(n, leaves, in_cond, budget, dtype=jnp.bfloat16)
     overhead.time_runs(runs, sizes.writes_reps, budget=budget)
-    for name, r in overhead.summarize(runs, n).items():
+    for name, r in overhead.summarize(runs).items():
       state_bytes = sum(x.nbytes for x in jax.tree.leaves((runs[name]["p"], runs[name]["s"])))
       table.rows.append(f"{overhead.format_row(n, leaves, name, r)} {state_bytes / MB:15.1f}")
     del runs

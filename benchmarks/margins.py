@@ -6,10 +6,11 @@ Two models, one row per loss scale:
   with z standard normal (median 1), and the backward pass gives it times the scale in
   float16 (inf past 65504); `--steps` steps of the real `loss_scaling` step in a jitted
   `lax.scan`, for each of `--seeds` seeds: the skipped steps, and the mean log2 of the
-  scale (higher keeps more of small gradients);
+  scale the steps ran with (higher keeps more of small gradients);
 - the MLP demo (`jax_lossscale.demo.mlp`) at the test suite's sizes: skipped steps, the
   held-out loss, and the mean over the run of the fraction of one set of logit gradients
-  (the float32 run's) lost to underflow at each step's scale.
+  (the float32 run's, over a training batch of held-out windows) lost to underflow at the
+  scale each step ran with.
 
 Usage: python benchmarks/margins.py [--steps 3000] [--seeds 4] [--sigma 1.0]
 [--demo-steps 150] [--margins 0 1 2 3]. `--demo-steps 0` leaves the demo out.
@@ -30,14 +31,16 @@ from jax_lossscale.demo import mlp
 
 
 def noisy_gradients(loss_scale, seed: int, steps: int, sigma: float) -> tuple[int, float]:
-  """`(skipped steps, mean log2 scale)` of `steps` steps of log-normal gradient maxima."""
+  """`(skipped steps, mean log2 of the scale each step ran with)` of `steps` steps of
+  log-normal gradient maxima."""
   tx = jls.loss_scaling(optax.sgd(0.0), loss_scale)
   params = jnp.zeros([], jnp.float32)
   maxima = jnp.exp(sigma * jax.random.normal(jax.random.key(seed), (steps,)))
 
   def step(state, maximum):
-    _, state = tx.update((maximum * state.loss_scale()).astype(jnp.float16), state, params)
-    return state, jnp.log2(state.loss_scale())
+    scale = state.loss_scale()  # this step's, before its update changes it
+    _, state = tx.update((maximum * scale).astype(jnp.float16), state, params)
+    return state, jnp.log2(scale)
 
   state, scales = jax.jit(lambda state: jax.lax.scan(step, state, maxima))(tx.init(params))
   return int(state.skipped_steps), float(jnp.mean(scales))
@@ -49,13 +52,14 @@ def demo_runs(plan: dict, steps: int) -> dict:
   data = mlp.Text.load()
   reference = mlp.train("float32", data, config, jnp.float32, jls.NoOpLossScale(),
                         progress=False)
-  x, y = mlp.windows(data, data.eval_starts(config.seed, config.eval_size, mlp.CONTEXT + 1))
+  x, y = mlp.held_out(data, config, config.batch)
   out = {}
   for name, loss_scale in plan.items():
     run = mlp.evaluate(mlp.train(name, data, config, jnp.float16, loss_scale, progress=False),
                        data, config, jnp.float16)
-    at = {s: float(mlp._eval_metrics(reference.params, x, y, jnp.float16,
-                                     jnp.float32(s))["underflow"]) for s in set(run.scales)}
+    # run.scales: the scale each step ran with.
+    at = {s: float(mlp.logit_underflow(reference.params, x, y, jnp.float16, jnp.float32(s)))
+          for s in set(run.scales)}
     out[name] = (int((~np.asarray(run.applied)).sum()), run.eval_loss,
                  float(np.mean([at[s] for s in run.scales])))
   return out

@@ -208,17 +208,17 @@ def time_runs(runs: dict, reps: int, seed: int = 0, budget=None,
       r["times"].append(time.perf_counter() - start)
 
 
-def summarize(runs: dict, n: int) -> dict:
-  """Per run: the median step time, and its time and bytes as ratios to `plain`'s."""
+def summarize(runs: dict) -> dict:
+  """Per run: the median step time, and its time and bytes as ratios to `plain`'s; its XLA
+  temporaries, in bytes and as a multiple of its parameters' bytes (in their own dtype)."""
   base = runs["plain"]
-  param_bytes = 4 * n
   return {
       name: {
           "median_ms": 1e3 * statistics.median(r["times"]),
           "time_ratio": statistics.median(r["times"]) / statistics.median(base["times"]),
           "bytes_ratio": r["bytes"] / base["bytes"],
           "temps_bytes": r["temps"],
-          "temps_vs_params": r["temps"] / param_bytes,
+          "temps_vs_params": r["temps"] / sum(x.nbytes for x in jax.tree.leaves(r["p"])),
           "reps": len(r["times"]),
       }
       for name, r in runs.items()
@@ -228,7 +228,7 @@ def summarize(runs: dict, n: int) -> dict:
 def measure(n: int, leaves: int, optimizer, clip_norm, reps: int, seed: int = 0) -> dict:
   runs = compile_variants(n, leaves, variants(optimizer, clip_norm))
   time_runs(runs, reps, seed)
-  return summarize(runs, n)
+  return summarize(runs)
 
 
 HEADER = (f"{'params':>8s} {'leaves':>6s} {'variant':>33s} {'ms':>8s} {'time×':>6s} "

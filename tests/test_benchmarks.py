@@ -1,5 +1,8 @@
 """The benchmark scripts run (at toy sizes: their figures are in benchmarks/RESULTS.md)."""
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 from helpers import benchmark_script
@@ -21,12 +24,49 @@ from jax_lossscale.demo.text import Text
      "bf16 compensated, state bf16"),
     ("fp8", ["--matmul", "32", "64", "32", "--batch", "2", "--width", "32", "--reps", "1",
              "--layer", "32", "64", "32", "--kernels", "2", "--no-demo-step"],
-     "cuBLASLt fp8 GEMM"),
+     "cuBLASLt fp8 GEMM calls: 0 of 3"),  # the bfloat16 row's, on any platform
     ("fp8_recipes", ["--steps", "2", "--batch", "4", "--context", "16", "--seeds", "0",
                      "--variants", "rowwise, e5m2 gradients"], "vs bfloat16, % (mean ± sd)")])
 def test_a_benchmark_script_prints_its_table(name, argv, printed, capsys):
   benchmark_script(name).main(argv)
   assert printed in capsys.readouterr().out
+
+
+def test_compile_time_always_times_plain_first_as_the_baseline_and_refuses_unknown_variants(
+    capsys):
+  compile_time = benchmark_script("compile_time")
+  compile_time.main(["--leaves", "2", "--shape", "2", "--reps", "1", "--variants",
+                     "plain + check"])
+  rows = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()
+          if ": wall" in line]
+  assert rows == ["plain", "plain + check"]
+  with pytest.raises(SystemExit):
+    compile_time.main(["--leaves", "2", "--variants", "plain", "no such variant"])
+  assert "--variants: no variant named 'no such variant'" in capsys.readouterr().err
+
+
+def test_compile_time_clips_in_every_variant_under_clip():
+  compile_time = benchmark_script("compile_time")
+  params = {"a": jnp.ones((2, 2)), "b": jnp.ones(3)}
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+
+  def square_roots(init, step):  # Adam takes one per leaf, the global norm one more
+    return str(jax.make_jaxpr(step)(params, init(params), grads)).count(" sqrt ")
+
+  for clip_norm, expected in [(None, 2), (1.0, 3)]:
+    found = {name: square_roots(*variant)
+             for name, variant in compile_time.candidates(clip_norm).items()
+             if name in ("plain", *compile_time.parts(optax.identity()))}
+    assert found == dict.fromkeys(found, expected) and len(found) == 5, (clip_norm, found)
+
+
+def test_overhead_counts_temporaries_against_the_parameters_bytes_in_their_own_dtype():
+  overhead = benchmark_script("overhead")
+  run = {"times": [1e-3], "bytes": 1.0, "temps": 400}
+  rows = overhead.summarize({"plain": run | {"p": {"w": jnp.zeros(100, jnp.float32)}},
+                             "bfloat16": run | {"p": {"w": jnp.zeros(100, jnp.bfloat16)}}})
+  assert rows["plain"]["temps_vs_params"] == 1.0
+  assert rows["bfloat16"]["temps_vs_params"] == 2.0  # 400 bytes against 200, not 400
 
 
 def test_the_probes_benchmark_counts_what_its_probes_read_and_checks_the_plain_program():
