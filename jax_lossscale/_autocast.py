@@ -358,7 +358,7 @@ class _Interpreter:
       return op.bind(operands)
     if op in wide:
       operands = [_cast(x, np.dtype(jnp.float32)) if _castable(x) else x for x in operands]
-    return _bind_summing_in_float32(op, operands, _widest(op, operands))
+    return _bind_summing_in_float32(op, *_saturated_and_widest(op, operands))
 
   def _activation(self, op: internals.Operation | internals.Call, operands: list,
                   run: Callable | None) -> list | None:
@@ -512,7 +512,34 @@ def _widest(op: internals.Operation, operands: list) -> list:
     traced, constant = op.inputs[i].dtype, op.origin(i).constant
     if traced != target and constant is not None and not _keeps_magnitude(constant, target):
       target = jnp.promote_types(target, traced)
+  fill = op.param("fill_value") if op.name == "gather" else None
+  if fill is not None and not _keeps_magnitude(fill, target):  # a gather's -1e9 padding
+    target = jnp.promote_types(target, op.inputs[0].dtype)
   return [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+def _saturated_and_widest(op: internals.Operation, operands: list) -> tuple[list, list]:
+  """`(operands, _widest(op, operands))`, a bias whose values are not constants (`_is_bias`)
+  saturated in both where it is cast to a dtype of shorter range (`_saturated`)."""
+  cast = _widest(op, operands)
+  if op.name != "add" or not _is_floating(cast[0]):
+    return operands, cast
+  target = _dtype(cast[0])
+  operands = [_saturated(x, target) if _is_floating(x) and _is_bias(op, operands, i)
+              and op.origin(i).constant is None else x for i, x in enumerate(operands)]
+  return operands, [_cast(x, target) if _is_floating(x) else x for x in operands]
+
+
+def _saturated(bias: jax.Array, dtype: np.dtype) -> jax.Array:
+  """A bias that is not a constant (whose values autocast cannot see) with its finite
+  values clipped to half of `dtype`'s largest, where `dtype` has the shorter range: an
+  additive mask given as an input that looks like a bias (broadcast along an input's
+  free axes) keeps its -1e9 as float16's -32752, not -inf (a row of which softmax makes
+  NaN), with room for the scores added to it; a real bias is far inside."""
+  if not _numerics.has_short_range(dtype) or _numerics.has_short_range(_dtype(bias)):
+    return bias
+  half = np.asarray(float(jnp.finfo(dtype).max) / 2, _dtype(bias))
+  return jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -half, half))
 
 
 def _widened_by_constants(ops: list, dtype: np.dtype) -> frozenset:
@@ -592,7 +619,9 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   its -1e9 would be -inf, and a row of them NaN after the softmax. Nor is a value the
   program computes (a key-padding mask `where(keep, 0, -1e9)[None, :]`, which varies
   over the keys alone): a bias is a parameter, an input of the program or a constant,
-  possibly cast."""
+  possibly cast; and it varies along a weight's free axes, not along those of an
+  operand the program computed (attention's keys, beside which a key-padding mask given
+  as an input varies)."""
   if op.name != "add" or len(operands) != 2:
     return False
   if op.origin(i).computed:
@@ -603,7 +632,11 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   shape, full = jnp.shape(operands[i]), jnp.shape(result)
   if len(shape) != len(full) or math.prod(shape) >= math.prod(full):
     return False
-  groups = origin.features if origin.features is not None else ((len(full) - 1,),)
+  if origin.features is None:  # a reshape merged or split its axes: the last, as flax's
+    groups = ((len(full) - 1,),)
+  else:  # a weight's free axes: an activation's are not a bias's (attention's keys)
+    groups = tuple(group for group, computed in zip(
+        origin.features, origin.computed_features, strict=True) if not computed)
   varying = {axis for axis, size in enumerate(shape) if size != 1}
   return any(varying <= set(group) for group in groups)
 

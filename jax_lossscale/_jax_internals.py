@@ -338,6 +338,13 @@ _PROGRAM_PARAMS = {
 # them): `Operation.bind_rewritten(..., retyped=True)` traces them for other dtypes.
 _RETYPABLE = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
 
+# Those whose programs are closed (hold their constants): `ClosedJaxpr`s up to jax 0.10,
+# `Jaxpr`s with `consts` since. A re-traced program that needs constants (an array the
+# function closes over) is given them here; elsewhere (a checkpoint's open program) it
+# cannot be replaced.
+_CLOSED = frozenset({"jit", "pjit", "closed_call", "scan", "while", "cond", "custom_jvp_call",
+                     "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
 
 try:  # An operation's name scope and traceback, for the programs it is bound into.
   from jax._src import source_info_util as _source_info
@@ -448,11 +455,15 @@ class Origin:
       feature axis; else None (also where a reshape merged or split them).
     computed: whether the program computed it from other values (by anything but
       reshaping, transposing, broadcasting and casting an input or a constant).
+    computed_features: for each group of `features`, whether the operand whose free axes
+      they are was `computed` (an activation, as attention's keys are), not an input or
+      a constant (a weight); None where `features` is.
   """
   primitive: str | None = None
   constant: Any = None
   features: tuple[tuple[int, ...], ...] | None = None
   computed: bool = False
+  computed_features: tuple[bool, ...] | None = None
 
 
 def _moved_axes(eqn: Any, groups: tuple[tuple[int, ...], ...] | None
@@ -705,11 +716,16 @@ def operations(program: Program) -> list[Operation | Call]:
     rearranged = sources and (name in _REARRANGING or (
         name == "convert_element_type" and sources[0].constant is not None))
     if rearranged:  # its axes moved: a matmul's feature axes with them, where known
-      result = dataclasses.replace(sources[0],
-                                   features=_moved_axes(eqn, sources[0].features))
+      features = _moved_axes(eqn, sources[0].features)
+      result = dataclasses.replace(sources[0], features=features, computed_features=(
+          None if features is None else sources[0].computed_features))
     else:
       cast = name == "convert_element_type" and not sources[0].computed
-      result = Origin(name, features=output_features(eqn), computed=not cast)
+      features = output_features(eqn)
+      # dot_general's groups are its operands' (left, right); the others' the right's.
+      owners = sources[:2] if name == "dot_general" else sources[1:2]
+      result = Origin(name, features=features, computed=not cast, computed_features=None
+                      if features is None else tuple(o.computed for o in owners))
     origins.update((v, result) for v in eqn.outvars)
   return _calls(made, {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
 
@@ -953,7 +969,7 @@ class Operation:
       value = params[key]
       many = isinstance(value, (tuple, list))
       types = [jax.typeof(x) for x in operands] if retyped else None
-      traced = [_retrace(program, interpret, types)
+      traced = [_retrace(program, interpret, types, closed=self.name in _CLOSED)
                 for program in (value if many else [value])]
       if any(program is None for program in traced):
         return None
@@ -962,11 +978,11 @@ class Operation:
 
 
 def _retrace(program: Program, interpret: Callable[[Program, list], list],
-             types: list | None = None) -> Program | None:
+             types: list | None = None, closed: bool = False) -> Program | None:
   """`program` traced again from `interpret(program, args)`, for the same input types
   (a loop body inside `shard_map` keeps its varying axes); None if it needs constants
-  that the kind of `program` cannot hold (an open program), or where JAX no longer offers
-  the tracing."""
+  that the kind of `program` cannot hold (an open program: not `closed`), or where JAX
+  no longer offers the tracing."""
   if _partial_eval is None:
     degraded("jax._src.interpreters.partial_eval.trace_to_jaxpr_dynamic",
              "autocast stops casting inside loops, conditionals and nested jits (their "
@@ -979,6 +995,8 @@ def _retrace(program: Program, interpret: Callable[[Program, list], list],
   new, _, consts = _partial_eval.trace_to_jaxpr_dynamic(fun, types)
   if _core.ClosedJaxpr is not _core.Jaxpr and isinstance(program, _core.ClosedJaxpr):
     return _core.ClosedJaxpr(new, consts)  # up to jax 0.10: a closed program holds them
+  if consts and closed and hasattr(new, "with_consts"):  # since jax 0.11: a Jaxpr does
+    return new.with_consts(consts)
   return None if consts else new
 
 

@@ -122,6 +122,22 @@ def test_called_without_jit_an_unhashable_argument_runs_as_it_is_with_a_warning(
     f(X, Config())
 
 
+@pytest.mark.parametrize("fp8", [None, "tensorwise"])
+def test_a_jitted_function_holding_an_array_constant_is_autocast_too(fp8):
+  # With jax 0.12 its program holds the constant: it ran at float32, with a warning that
+  # autocast "does not know how to run `jit`".
+  weights = jnp.array([0.5, 1.5] * 8)
+  layer = jax.jit(lambda h, w: jnp.tanh(h @ w) * weights)
+  x, w = jnp.ones((16, 16)), jnp.ones((16, 16)) / 16
+  f = jls.autocast(lambda w, x: jnp.sum(layer(x, w)), jnp.float16 if fp8 is None
+                   else jnp.bfloat16, fp8=fp8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ran = summary(f, w, x)
+  assert dtypes_of(ran, "dot_general") == {"float16" if fp8 is None else "float8_e4m3fn"}
+  np.testing.assert_allclose(f(w, x), jnp.sum(layer(x, w)), rtol=2e-2)
+
+
 def test_convolutions_run_in_compute_dtype_forward_and_backward():
   image, kernel = jnp.ones((1, 2, 6, 6)), jnp.ones((3, 2, 3, 3)) / 9
   conv = lambda k, x: jnp.sum(lax.conv(x, k, (1, 1), "SAME") ** 2)

@@ -220,6 +220,55 @@ def test_a_key_padding_mask_computed_in_the_step_is_not_a_bias(batched):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["one example", "vmapped"])
+def test_a_key_padding_mask_given_as_an_input_stays_finite(batched):
+  # The mask is an input, as a bias is, broadcast along the keys, `k`'s free axis. Where
+  # the keys are computed (projected from the input) it is no bias: a bias varies along
+  # a weight's free axes. Where `q` and `k` are inputs too, nothing tells it from one: it
+  # runs in float16, saturated at half float16's largest value (-1e9 was -inf there, and
+  # an example of padding only NaN): its rows stay distributions, where float32 makes them
+  # uniform.
+  x, wq, wk = (jax.random.normal(key, shape) for key, shape in zip(
+      KEYS[:3], ((6, 16), (16, 16), (16, 16)), strict=True))
+  mask = jnp.where(jnp.array([[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], bool), 0.0, -1e9)
+
+  def projected(x, wq, wk, mask):
+    return jax.nn.softmax((x @ wq) / 4 @ (x @ wk).T + mask[None, :], axis=-1)
+
+  def given(q, k, mask):
+    return jax.nn.softmax(q / 4 @ k.T + mask[None, :], axis=-1)
+
+  for attention, args, add in ((projected, (x, wq, wk), "float32"),
+                               (given, (x @ wq, x @ wk), "float16")):
+    run = (lambda f: jax.vmap(f, (None,) * len(args) + (0,))) if batched else (lambda f: f)
+    masks = mask if batched else mask[1]
+    ran = jls.precision_summary(run(jls.autocast(attention)), *args, masks)
+    assert dtypes_of(ran, "add") == {add}, attention.__name__
+    out, expected = run(jls.autocast(attention))(*args, masks), run(attention)(*args, masks)
+    np.testing.assert_allclose(jnp.sum(out, axis=-1), 1.0, rtol=1e-2)
+    if batched or add == "float32":  # the example with keys to attend to, or every one
+      np.testing.assert_allclose(out[0] if add == "float16" else out,
+                                 expected[0] if add == "float16" else expected, atol=2e-2)
+    grads = jax.grad(lambda *a: jnp.sum(run(jls.autocast(attention))(*a) * jnp.arange(6.0)),
+                     argnums=tuple(range(len(args))))(*args, masks)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads), attention.__name__
+
+
+def test_a_gathers_fill_value_that_float16_cannot_hold_keeps_the_gather_in_float32():
+  # `take_along_axis(..., mode="fill", fill_value=-1e9)`: the padding is a parameter of the
+  # gather, not an operand; gathered in float16 it was -inf, and a row of it NaN.
+  idx = jnp.array([[0, 3, 5], [20, 21, 22]])  # the second row: all out of bounds
+
+  def f(w, x):
+    scores = jnp.take_along_axis(x @ w, idx, axis=1, mode="fill", fill_value=-1e9)
+    return jax.nn.softmax(scores, axis=-1)
+
+  w, x = jax.random.normal(KEYS[0], (16, 8)), jax.random.normal(KEYS[1], (2, 16))
+  ran = jls.precision_summary(jls.autocast(f), w, x)
+  assert dtypes_of(ran, "gather") == {"float32"}
+  np.testing.assert_allclose(jls.autocast(f)(w, x), f(w, x), atol=2e-2)
+
+
 def test_flax_attention_with_a_padding_bias_stays_finite():
   class Attention(linen.Module):
     @linen.compact

@@ -302,6 +302,23 @@ def test_a_jitted_function_or_checkpoint_is_rewritten_for_operands_of_other_dtyp
   np.testing.assert_allclose(out, np.tanh(1.0), rtol=1e-3)
 
 
+def test_a_jitted_function_closing_over_an_array_is_rewritten_with_its_constant():
+  # Since jax 0.11 a jitted function's program is a `Jaxpr` that holds its constants
+  # (`consts`); the re-traced program needs them again (a module-level `jax.jit` using
+  # `jnp.array([...])`, `jax.scipy.linalg.expm`).
+  weights = jnp.array([0.5, 1.5, 2.5])
+  program, _ = internals.trace(jax.jit(lambda y: jnp.tanh(y) * weights), [jnp.ones(3)])
+
+  def run(op, operands):
+    outs = op.bind_rewritten(operands, lambda sub, args: internals.evaluate(
+        sub, args, as_traced), retyped=True)
+    assert outs is not None, "the re-traced program lost its constant"
+    return outs
+
+  [out] = internals.evaluate(program, [jnp.full(3, 2.0)], run)
+  np.testing.assert_allclose(out, np.tanh(2.0) * np.array([0.5, 1.5, 2.5]), rtol=1e-6)
+
+
 def test_a_loop_is_not_retypable():
   program, _ = internals.trace(lambda x: lax.fori_loop(0, 2, lambda i, y: y * 2, x),
                                [jnp.ones(3)])
