@@ -233,10 +233,10 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
     # Above the largest bfloat16 the next one up is inf: a finite value there is rounded
     # to nearest, inf only at or past the half-way point (as float16's writes and the
     # convert do), never by chance.
-    overflowed = ((raised & np.uint32(0x7F800000)) == np.uint32(0x7F800000)) & (
-        (value_bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000))
+    magnitude = value_bits & np.uint32(0x7FFFFFFF)
+    past = (magnitude > np.uint32(0x7F7F0000)) & (magnitude < np.uint32(0x7F800000))
     nearest = value_bits + (np.uint32(0x7FFF) + ((value_bits >> 16) & np.uint32(1)))
-    raised = jnp.where(overflowed, nearest, raised)
+    raised = jnp.where(past, nearest, raised)
     # A NaN stays one: a carry out of its mantissa would make it ±0, and a mantissa that
     # lies in the lower half alone would be cut off, making it ±inf.
     raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)

@@ -153,6 +153,13 @@ def test_a_finite_sum_past_the_largest_value_is_never_rounded_to_inf_by_chance(d
   written, state = sgd_step("stochastic", params, {"w": jnp.full(4096, spacing / 4)})
   assert bool(state.last_applied)
   np.testing.assert_array_equal(np.asarray(written["w"], np.float32), largest)
+  # At or past the half-way point, nearest gives inf: every entry, by no chance either.
+  for past in (spacing / 2, 0.75 * spacing):
+    exact = jnp.full(4096, largest + past, jnp.float32)
+    out = _rounding.stochastic(exact, exact.astype(dtype), _rounding.seeds(
+        jnp.uint32(0), 1, 1)[0])
+    assert bool(jnp.all(jnp.isinf(out.astype(jnp.float32)))) == bool(
+        jnp.isinf(exact.astype(dtype)[0])), (past, out)
 
 
 def test_stochastic_rounding_accumulates_updates_that_nearest_rounds_away():
