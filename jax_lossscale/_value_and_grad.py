@@ -79,7 +79,6 @@ def scaled_value_and_grad(
       arguments (their structure, shapes and dtypes; arguments that are not arrays
       are static, as under `jit`), so an eager loop compiles nothing after its first
       step; the loss's Python code then runs when it is traced, not on every call.
-      So does an `autocast` loss (`fun` made by `autocast`) without probes.
 
   Returns:
     A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
@@ -124,8 +123,7 @@ def scaled_value_and_grad(
     return value, grads, measurements
 
   compiled = _eager.CompiledBySignature(differentiated, f"scaled_value_and_grad({name})")
-  autocast_dtype = _autocast.compute_dtype_of(fun)
-  unscaled_autocast = _UnscaledAutocast(name, autocast_dtype)
+  unscaled_autocast = _UnscaledAutocast(name, _autocast.compute_dtype_of(fun))
 
   def scaled_value_and_grad_fn(opt_state, *args, **kwargs):
     if isinstance(opt_state, LossScale):
@@ -148,11 +146,9 @@ def scaled_value_and_grad(
           f"{name}'s arguments: call it as grad_fn(opt_state, *args), got the optimizer "
           f"state as {misplaced} and a {type(opt_state).__name__} first.") from error
     unscaled_autocast.check(loss_scale)
-    # Probes are found and measured in a context of their own on every trace, and an
-    # `autocast` loss is interpreted anew: called outside jit, the loss's every
-    # operation would compile again on every call.
-    if (probes or autocast_dtype is not None) and not _eager.traced(
-        (loss_scale, args, kwargs)):
+    # Probes are found and measured in a context of their own on every trace: called
+    # outside jit, the loss's every operation would compile again on every call.
+    if probes and not _eager.traced((loss_scale, args, kwargs)):
       return compiled(loss_scale, args, kwargs)
     return differentiated(loss_scale, args, kwargs)
 

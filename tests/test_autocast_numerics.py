@@ -240,7 +240,8 @@ def test_a_key_padding_mask_given_as_an_input_stays_finite(batched):
 
   for attention, args, add in ((projected, (x, wq, wk), "float32"),
                                (given, (x @ wq, x @ wk), "float16")):
-    run = (lambda f: jax.vmap(f, (None,) * len(args) + (0,))) if batched else (lambda f: f)
+    axes = (None,) * len(args) + (0,)
+    run = (lambda f, axes=axes: jax.vmap(f, axes)) if batched else (lambda f: f)
     masks = mask if batched else mask[1]
     ran = jls.precision_summary(run(jls.autocast(attention)), *args, masks)
     assert dtypes_of(ran, "add") == {add}, attention.__name__
@@ -249,7 +250,8 @@ def test_a_key_padding_mask_given_as_an_input_stays_finite(batched):
     if batched or add == "float32":  # the example with keys to attend to, or every one
       np.testing.assert_allclose(out[0] if add == "float16" else out,
                                  expected[0] if add == "float16" else expected, atol=2e-2)
-    grads = jax.grad(lambda *a: jnp.sum(run(jls.autocast(attention))(*a) * jnp.arange(6.0)),
+    autocast = run(jls.autocast(attention))
+    grads = jax.grad(lambda *a, f=autocast: jnp.sum(f(*a) * jnp.arange(6.0)),
                      argnums=tuple(range(len(args))))(*args, masks)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads), attention.__name__
 

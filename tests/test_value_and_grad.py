@@ -285,28 +285,6 @@ def test_called_without_jit_a_batch_of_other_shape_gets_its_own_traces_static_ou
     np.testing.assert_allclose(value, n * 2 * np.tanh(4.0), rtol=1e-6)
 
 
-def test_an_autocast_loss_called_without_jit_is_traced_once_without_probes_too():
-  # Under an eager `jax.value_and_grad`, `autocast` sees tracers: it traced and
-  # interpreted the loss anew at every call (about 0.2 s each for a small loss).
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
-  traced = []
-
-  def loss(w):
-    traced.append(w)
-    return jnp.sum(jnp.tanh(x @ w) ** 2)
-
-  grad_fn = jls.scaled_value_and_grad(jls.autocast(loss))
-  w = jnp.ones((3, 3))
-  state = state_with_scale(4.0, w)
-  first = grad_fn(state, w)
-  with count_compiles() as compiles:
-    for _ in range(5):
-      last = grad_fn(state, w)
-  assert compiles == [] and len(traced) == 1
-  chex.assert_trees_all_equal(last, first)
-  chex.assert_trees_all_equal(last, jax.jit(grad_fn)(state, w))
-
-
 def test_a_probed_nnx_model_called_without_jit_compiles_once_and_keeps_what_the_loss_changed():
   from flax import nnx
 
