@@ -291,6 +291,27 @@ def test_equinox_a_layer_whose_arrays_merely_share_a_leading_axis_gets_no_array_
                                 rtol=1e-6)
 
 
+def test_equinox_only_the_scanned_stack_gets_a_row_index_in_a_model_with_one():
+  # The other layers of a scan-over-layers model (its `embed` and `out` Linears) hold
+  # nothing the model does not; the stacked block and its Linear hold their index.
+  model = EqxModel(jax.random.key(0))
+  seen = {}
+
+  def loss(model, x, y):
+    for name, layer in (("embed", model.embed), ("out", model.out), ("blocks", model.blocks),
+                        ("blocks/linear", model.blocks.linear)):
+      seen.setdefault(name, []).append(sorted(str(a.dtype) for a in jax.tree.leaves(
+          eqx.filter(layer, eqx.is_array))))
+    return eqx_loss(model, x, y)
+
+  _, _, probes = pr.value_and_grad_with_probes(eqx.filter_value_and_grad,
+                                               pr.equinox_probes(loss))(model, X, Y)
+  assert probes.lengths[list(probes.names).index("blocks")] == 3  # a row per block
+  measured = {name: hits[-1] for name, hits in seen.items()}  # the measuring pass's model
+  assert measured["embed"] == measured["out"] == ["float32", "float32"]
+  assert "int32" in measured["blocks"] and "int32" in measured["blocks/linear"]
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_equinox_a_model_under_a_custom_jvp_of_the_loss_is_not_measured_and_changes_nothing(
     jit):

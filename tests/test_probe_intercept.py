@@ -242,10 +242,11 @@ def test_the_first_pass_gives_equinox_layers_row_indices_only_after_finding_a_sc
 
   def attempt(options):
     tried.append(options)
-    return "found", intercept.Found(scanned=not options.equinox_rows)
+    return "found", intercept.Found(scanned=frozenset({"blocks", "blocks/linear"}))
 
-  assert intercept.first_pass(attempt) == (intercept.Options(True, True, True), "found")
-  assert tried == [intercept.Options(True, True), intercept.Options(True, True, True)]
+  indexed = intercept.Options(True, True, frozenset({"blocks", "blocks/linear"}))
+  assert intercept.first_pass(attempt) == (indexed, "found")
+  assert tried == [intercept.Options(True, True), indexed]
   tried.clear()
   assert intercept.first_pass(lambda options: (tried.append(options), ("found", intercept.Found()))[
       1]) == (intercept.Options(True, True), "found")

@@ -221,11 +221,12 @@ class Options(NamedTuple):
   Attributes:
     rows: stacked modules carry a row index, for a row per layer (`stacked_rows`).
     probed_copy: an equinox model reaches the loss as a probed copy (`equinox_probed_copy`).
-    equinox_rows: stacked equinox layers carry their row index (`equinox_rows`).
+    equinox_rows: the stacked equinox layers (by name) that carry their row index, with
+      their sub-layers (`equinox_rows`).
   """
   rows: bool
   probed_copy: bool
-  equinox_rows: bool = False
+  equinox_rows: frozenset = frozenset()
 
 
 class Found(NamedTuple):
@@ -233,20 +234,21 @@ class Found(NamedTuple):
 
   Attributes:
     nested: a scan inside a scan sliced a stacked module's row index twice.
-    scanned: an equinox layer without a row index was called sliced from its stack.
+    scanned: the equinox layers (by name) called sliced from their stack without a row
+      index.
   """
   nested: bool = False
-  scanned: bool = False
+  scanned: frozenset = frozenset()
 
 
 def first_pass(attempt: Callable[[Options], tuple[Any, Found]]) -> tuple[Options, Any]:
   """`(options, result)` of the first `attempt(options)` whose stacks need no other
-  options, starting with rows and the probed copy on and equinox's row indices off.
+  options, starting with rows and the probed copy on and no equinox row index.
 
   Four outcomes change an option and try again, each at most once:
 
-  * `scanned`: a stacked equinox layer was sliced by a scan (or a vmap) without a row
-    index. Its row indices are turned on, for a row per layer.
+  * `scanned`: stacked equinox layers were sliced by a scan (or a vmap) without a row
+    index. They are given their row indices, for a row per layer.
   * `nested`: a scan inside a scan sliced a stacked module's row index twice (a stack
     of stacks). Rows are turned off: the probes in the stack sum over its layers.
   * The attempt raised NNX's error of a row index that an `nnx.scan`'s `nnx.StateAxes`
@@ -282,8 +284,8 @@ def _settled(attempt: Callable[[Options], tuple[Any, Found]], options: Options):
   if it found a stacked equinox layer scanned without one, and without rows if it found
   a stack of stacks."""
   result, found = attempt(options)
-  if found.scanned and options.rows and not options.equinox_rows:
-    options = options._replace(equinox_rows=True)
+  if found.scanned - options.equinox_rows and options.rows:
+    options = options._replace(equinox_rows=options.equinox_rows | found.scanned)
     result, found = attempt(options)
   if found.nested and options.rows:
     options = options._replace(rows=False)

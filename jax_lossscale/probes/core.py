@@ -101,7 +101,8 @@ class _Discovery:
   hits: list[tuple[str, int | None]] = dataclasses.field(default_factory=list, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)  # see `stacked_rows`
   probed_copy: bool = dataclasses.field(default=True, kw_only=True)  # see `equinox_probed_copy`
-  equinox_rows: bool = dataclasses.field(default=False, kw_only=True)  # see `equinox_rows`
+  # The stacked equinox layers given a row index (see `equinox_rows`).
+  equinox_rows: frozenset = dataclasses.field(default=frozenset(), kw_only=True)
   # Probes whose row index a scan inside a scan sliced twice (see `nested_stack`).
   nested: set = dataclasses.field(default_factory=set, kw_only=True)
   # Probes of equinox layers that a scan or vmap sliced with no index (`scanned_stack`).
@@ -128,7 +129,7 @@ class _Measurement:
   returned: dict = dataclasses.field(default_factory=dict, kw_only=True)
   rows: bool = dataclasses.field(default=True, kw_only=True)
   probed_copy: bool = dataclasses.field(default=True, kw_only=True)
-  equinox_rows: bool = dataclasses.field(default=False, kw_only=True)
+  equinox_rows: frozenset = dataclasses.field(default=frozenset(), kw_only=True)
   skipped: set = dataclasses.field(default_factory=set, kw_only=True)
 
   def probe(self, x, name, index, length):
@@ -215,17 +216,18 @@ def nested_stack(name: str) -> None:
     session.nested.add(name)
 
 
-def equinox_rows() -> bool:
-  """Whether the equinox adapter gives stacked layers their row index (with
-  `stacked_rows`).
+def equinox_rows() -> frozenset:
+  """The names of the stacked equinox layers the adapter gives a row index (with
+  `stacked_rows`), and to their sub-layers.
 
   An index is an integer array in the layer, where the loss sees it (a filter on
-  `eqx.is_array`, a `jax.grad` of the model): on only where the first pass found a
-  stacked layer that a scan (or a vmap) sliced (`scanned_stack`), which needs it for a
-  row per layer. A layer whose arrays merely share a leading axis (a `Linear`'s weight
-  and bias) gets none.
+  `eqx.is_array`, a `jax.grad` of the model): given only to the stacked layers that the
+  first pass found a scan (or a vmap) slicing (`scanned_stack`), which need it for a row
+  per layer. A layer whose arrays merely share a leading axis (a `Linear`'s weight and
+  bias) gets none, in a model with a scanned stack too.
   """
-  return _option("equinox_rows")
+  session = _SESSION.value
+  return frozenset() if session is None else session.equinox_rows
 
 
 def scanned_stack(name: str) -> None:
@@ -361,7 +363,7 @@ def _discover_with_fallbacks(fun, args, kwargs) -> tuple[dict, _Found]:
     sessions.append(_Discovery({}, **options._asdict()))
     found = _discover(sessions[-1], fun, args, kwargs)
     return found, _intercept.Found(nested=bool(sessions[-1].nested),
-                                   scanned=bool(sessions[-1].scanned))
+                                   scanned=frozenset(sessions[-1].scanned))
 
   options, found = _intercept.first_pass(attempt)
   return {**options._asdict(), "skipped": sessions[-1].skipped}, found

@@ -56,26 +56,29 @@ def equinox_probes(fun: Callable[..., Any]) -> Callable[..., Any]:
   return while_probing(fun, probed)
 
 
-def _probed_copy(module, path, inherited: tuple[int, ...] | None = None):
+def _probed_copy(module, path, inherited: tuple[int, ...] | None = None,
+                 indexed: bool = False):
   """`module`, its layers probed: named by their `path` in the model, with a row index
-  where their arrays are stacked (or the stack they are in, `inherited`, is)."""
+  where their arrays are stacked (or the stack they are in, `inherited`, is) and the
+  first pass found them (or a layer they are in: `indexed`) scanned."""
   import equinox as eqx
 
+  name = _trees.path_name(path) or type(module).__name__
+  # The index is an array the loss sees: given only to a stack found scanned.
+  indexed = indexed or name in core.equinox_rows()
   arrays = _arrays(module)
   stack = stack_of(arrays) if arrays else inherited
   is_submodule = lambda x: isinstance(x, eqx.Module) and x is not module
   children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_submodule)
   copy = jax.tree.unflatten(treedef, [
-      _probed_copy(child, path + key, stack) if is_submodule(child) else child
+      _probed_copy(child, path + key, stack, indexed) if is_submodule(child) else child
       for key, child in children])
   if not _intercept.probeable(module):  # not a layer (a StateIndex, found by its type)
     return copy
   if stack is not None and not core.stacked_rows():
     stack = None
-  # The index is an array the loss sees: given only once a scan was found slicing a stack.
-  index = None if stack is None or not core.equinox_rows() else row_index(stack)
-  tag = _Tag(_trees.path_name(path) or type(module).__name__, stack,
-             arrays[0].shape if stack is not None and arrays else None)
+  index = None if stack is None or not indexed else row_index(stack)
+  tag = _Tag(name, stack, arrays[0].shape if stack is not None and arrays else None)
   return _intercept.equinox_probed(copy, index, tag, _probed_output)
 
 
