@@ -620,8 +620,8 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   program computes (a key-padding mask `where(keep, 0, -1e9)[None, :]`, which varies
   over the keys alone): a bias is a parameter, an input of the program or a constant,
   possibly cast; and it varies along a weight's free axes, not along those of an
-  operand the program computed (attention's keys, beside which a key-padding mask given
-  as an input varies)."""
+  operand that is a matmul's result (attention's projected keys, beside which a
+  key-padding mask given as an input varies)."""
   if op.name != "add" or len(operands) != 2:
     return False
   if op.origin(i).computed:
@@ -635,8 +635,8 @@ def _is_bias(op: internals.Operation, operands: list, i: int) -> bool:
   if origin.features is None:  # a reshape merged or split its axes: the last, as flax's
     groups = ((len(full) - 1,),)
   else:  # a weight's free axes: an activation's are not a bias's (attention's keys)
-    groups = tuple(group for group, computed in zip(
-        origin.features, origin.computed_features, strict=True) if not computed)
+    groups = tuple(group for group, projected in zip(
+        origin.features, origin.projected_features, strict=True) if not projected)
   varying = {axis for axis, size in enumerate(shape) if size != 1}
   return any(varying <= set(group) for group in groups)
 

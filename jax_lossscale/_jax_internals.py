@@ -455,15 +455,17 @@ class Origin:
       feature axis; else None (also where a reshape merged or split them).
     computed: whether the program computed it from other values (by anything but
       reshaping, transposing, broadcasting and casting an input or a constant).
-    computed_features: for each group of `features`, whether the operand whose free axes
-      they are was `computed` (an activation, as attention's keys are), not an input or
-      a constant (a weight); None where `features` is.
+    projected_features: for each group of `features`, whether the operand whose free
+      axes they are is itself a matmul's or convolution's result (an activation, as
+      attention's projected keys are), not a weight (an input, a constant, or a value
+      computed from them elementwise: LoRA's `w + a @ b`, a dequantized `q * s`); None
+      where `features` is.
   """
   primitive: str | None = None
   constant: Any = None
   features: tuple[tuple[int, ...], ...] | None = None
   computed: bool = False
-  computed_features: tuple[bool, ...] | None = None
+  projected_features: tuple[bool, ...] | None = None
 
 
 def _moved_axes(eqn: Any, groups: tuple[tuple[int, ...], ...] | None
@@ -717,15 +719,15 @@ def operations(program: Program) -> list[Operation | Call]:
         name == "convert_element_type" and sources[0].constant is not None))
     if rearranged:  # its axes moved: a matmul's feature axes with them, where known
       features = _moved_axes(eqn, sources[0].features)
-      result = dataclasses.replace(sources[0], features=features, computed_features=(
-          None if features is None else sources[0].computed_features))
+      result = dataclasses.replace(sources[0], features=features, projected_features=(
+          None if features is None else sources[0].projected_features))
     else:
       cast = name == "convert_element_type" and not sources[0].computed
       features = output_features(eqn)
       # dot_general's groups are its operands' (left, right); the others' the right's.
       owners = sources[:2] if name == "dot_general" else sources[1:2]
-      result = Origin(name, features=features, computed=not cast, computed_features=None
-                      if features is None else tuple(o.computed for o in owners))
+      result = Origin(name, features=features, computed=not cast, projected_features=None
+                      if features is None else tuple(o.primitive in _MATMULS for o in owners))
     origins.update((v, result) for v in eqn.outvars)
   return _calls(made, {v for v in jaxpr.outvars if not isinstance(v, _core.Literal)})
 

@@ -178,6 +178,26 @@ def test_a_bias_added_to_a_matmuls_result_keeps_the_compute_dtype(name):
   np.testing.assert_allclose(out, fun(*args), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("weight", ["weight-normed", "LoRA", "dequantized"])
+def test_a_bias_after_a_weight_computed_from_parameters_keeps_the_compute_dtype(weight):
+  # The weight is computed, but elementwise from parameters (not a matmul's result, as
+  # attention's keys are): its layer's bias is still a bias.
+  w, a, b = (jax.random.normal(key, shape) for key, shape in zip(
+      KEYS[:3], ((16, 8), (16, 2), (2, 8)), strict=True))
+  bias, x = jnp.ones(8), jax.random.normal(KEYS[3], (4, 16))
+  weights = {"weight-normed": lambda w, a, b: w / jnp.linalg.norm(w, axis=0),
+             "LoRA": lambda w, a, b: w + a @ b,
+             "dequantized": lambda w, a, b: jnp.round(w * 8).astype(jnp.int8) * 0.125}
+
+  def layer(w, a, b, bias, x):
+    return jnp.sum(jnp.tanh(x @ weights[weight](w, a, b) + bias))
+
+  ran = jls.precision_summary(jls.autocast(layer), w, a, b, bias, x)
+  assert dtypes_of(ran, "tanh") == {"float16"}
+  np.testing.assert_allclose(jls.autocast(layer)(w, a, b, bias, x), layer(w, a, b, bias, x),
+                             rtol=2e-2)
+
+
 @pytest.mark.parametrize("masked", [-1e9, float(jnp.finfo(jnp.float32).min)])
 def test_an_additive_attention_mask_is_not_a_bias_and_a_fully_masked_row_stays_finite(masked):
   # The mask varies over the queries: added in float16 its -1e9 is -inf, and a row of
