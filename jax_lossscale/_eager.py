@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jax_lossscale import _jax_internals
 from jax_lossscale import _trees
@@ -100,8 +99,8 @@ def _hashable(x: Any) -> bool:
 
 def _avals(arrays: list) -> tuple:
   """What `jit` traces again for: each array's shape, dtype and weak type."""
-  return tuple(None if x is None else (jnp.shape(x), jnp.result_type(x),
-                                       jax.typeof(x).weak_type) for x in arrays)
+  return tuple(None if x is None else (x.shape, jax.dtypes.canonicalize_dtype(x.dtype),
+                                       bool(getattr(x, "weak_type", False))) for x in arrays)
 
 
 class _Static:
