@@ -12,9 +12,11 @@ the seed's held-out batch in float32, as the demo's runs are:
                                        `filter_fn` on the weights' rank), as torchao and
                                        Transformer Engine run float8: its linear layers only
   tensorwise, e4m3 gradients           `grad_format=jnp.float8_e4m3fn`
+  tensorwise, power-of-two scales      `power_of_two_scales=True`, as rowwise's
   rowwise                              fp8="rowwise": a scale per row, rounded down to a
                                        power of two, e4m3 gradients
   rowwise, e5m2 gradients              `grad_format=jnp.float8_e5m2`
+  rowwise, exact scales                `power_of_two_scales=False`, as tensorwise's
 
 bfloat16 always runs, the baseline. The script prints each variant's held-out loss per
 seed, and the mean and standard deviation over the seeds of each seed's difference to
@@ -52,9 +54,13 @@ VARIANTS = {
         "tensorwise", filter_fn=linear_layers_only),
     "tensorwise, e4m3 gradients": jls.Float8Recipe.from_name(
         "tensorwise", grad_format=jnp.float8_e4m3fn),
+    "tensorwise, power-of-two scales": jls.Float8Recipe.from_name(
+        "tensorwise", power_of_two_scales=True),
     "rowwise": "rowwise",
     "rowwise, e5m2 gradients": jls.Float8Recipe.from_name(
         "rowwise", grad_format=jnp.float8_e5m2),
+    "rowwise, exact scales": jls.Float8Recipe.from_name(
+        "rowwise", power_of_two_scales=False),
 }
 
 
