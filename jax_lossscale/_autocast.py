@@ -522,12 +522,16 @@ def _saturated_and_widest(op: internals.Operation, operands: list) -> tuple[list
   """`(operands, _widest(op, operands))`, a bias whose values are not constants (`_is_bias`)
   saturated in both where it is cast to a dtype of shorter range (`_saturated`)."""
   cast = _widest(op, operands)
-  if op.name != "add" or not _is_floating(cast[0]):
+  unseen = [i for i, x in enumerate(operands) if op.name == "add" and _is_floating(x)
+            and op.origin(i).constant is None and _is_bias(op, operands, i)]
+  if not unseen:
     return operands, cast
-  target = _dtype(cast[0])
-  operands = [_saturated(x, target) if _is_floating(x) and _is_bias(op, operands, i)
-              and op.origin(i).constant is None else x for i, x in enumerate(operands)]
-  return operands, [_cast(x, target) if _is_floating(x) else x for x in operands]
+  operands, cast = list(operands), list(cast)
+  for i in unseen:
+    target = _dtype(cast[i])
+    operands[i] = _saturated(operands[i], target)
+    cast[i] = _cast(operands[i], target)
+  return operands, cast
 
 
 def _saturated(bias: jax.Array, dtype: np.dtype) -> jax.Array:

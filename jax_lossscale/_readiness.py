@@ -30,7 +30,7 @@ TENSORS = ("lhs", "rhs", "gradient for lhs", "gradient for rhs")
 # The product each tensor enters, whose error its row reports.
 _PRODUCT = {"lhs": "forward", "rhs": "forward", "gradient for lhs": "lhs gradient",
             "gradient for rhs": "rhs gradient"}
-_PRODUCTS = ("forward", "lhs gradient", "rhs gradient")
+_PRODUCTS = tuple(dict.fromkeys(_PRODUCT.values()))  # in a fixed order, each once
 _FORWARD = ("lhs", "rhs", "forward")  # measured by the forward pass
 
 

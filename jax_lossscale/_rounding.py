@@ -235,8 +235,7 @@ def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = N
     # convert do), never by chance.
     magnitude = value_bits & np.uint32(0x7FFFFFFF)
     past = (magnitude > np.uint32(0x7F7F0000)) & (magnitude < np.uint32(0x7F800000))
-    nearest = value_bits + (np.uint32(0x7FFF) + ((value_bits >> 16) & np.uint32(1)))
-    raised = jnp.where(past, nearest, raised)
+    raised = jnp.where(past, _carried_to_nearest(value_bits), raised)
     # A NaN stays one: a carry out of its mantissa would make it ±0, and a mantissa that
     # lies in the lower half alone would be cut off, making it ±inf.
     raised = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), raised)
@@ -355,13 +354,17 @@ def to_nearest(exact: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     rounded = exact.astype(dtype)
     return rounded, rounded.astype(jnp.float32)
   bits = jax.lax.bitcast_convert_type(exact, jnp.uint32)
-  # Half a bfloat16 spacing less one, plus the kept part's last bit, carries into the kept
-  # upper half exactly where rounding to nearest even rounds up (the carry from the
-  # largest finite value makes inf, as the convert does).
-  upper = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+  upper = _carried_to_nearest(bits) & np.uint32(0xFFFF0000)
   upper = jnp.where(jnp.isnan(exact), np.uint32(0x7FC00000), upper)  # a NaN stays one
   rounded = jax.lax.bitcast_convert_type((upper >> 16).astype(jnp.uint16), jnp.bfloat16)
   return rounded, jax.lax.bitcast_convert_type(upper, jnp.float32)
+
+
+def _carried_to_nearest(bits: jax.Array) -> jax.Array:
+  """float32 `bits` plus half a bfloat16 spacing less one, plus the kept part's last bit:
+  the upper half carries exactly where rounding to the nearest bfloat16, ties to even,
+  rounds up (the carry from the largest finite value makes inf, as the convert does)."""
+  return bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
 
 
 def _positions(shape: tuple[int, ...]) -> jax.Array:
