@@ -56,7 +56,8 @@ operands on the way in, as PyTorch's `torch.autocast` does for its operators:
   (`custom_linear_solve`: `jnp.linalg.solve`, `jnp.linalg.inv`,
   `jax.scipy.sparse.linalg.cg`: a solve's factorization or iterations would lose their
   accuracy in float16), and the factorizations and Fourier transforms that JAX
-  implements for float32 and wider only (`eigh`, `svd`, `qr`, `lu`, `fft`, `complex`...).
+  implements for float32 and wider only (`eigh`, `svd`, `qr`, `lu`, `fft`, `complex`...),
+  and JAX's high-level primitives (with jax 0.12: `ldexp`, `frexp`, `searchsorted`).
 
 A gather reads its table as it is: an embedding lookup from a float32 table gathers
 float32 rows, and its backward pass scatter-adds float32 cotangents.
@@ -121,6 +122,9 @@ AS_TRACED = frozenset({
     "cholesky", "cholesky_update", "eig", "eigh", "svd", "qr", "geqrf", "geqp3",
     "householder_product", "lu", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve",
     "triangular_solve", "symmetric_product", "fft", "complex",
+    # jax 0.12's high-level primitives (`jnp.ldexp`, `jnp.frexp`, `jnp.searchsorted` and
+    # so `interp`, `digitize`, `histogram`): each keeps the types it was traced with.
+    "call_hi_primitive",
 })
 
 # Activation functions whose value never exceeds their operand's magnitude by more than a
@@ -731,8 +735,9 @@ class PrecisionSummary:
   SHOWN: ClassVar[int] = 4
 
   def count(self, primitive: str, dtype: Any, backward: bool = False) -> int:
-    """How many times `primitive` ran in `dtype` in the forward (or backward) pass."""
-    name = np.dtype(dtype).name
+    """How many times `primitive` ran in `dtype` in the forward (or backward) pass
+    (`dtype` read as `autocast` reads one: `"f16"` is float16, not NumPy's float128)."""
+    name = _policy.as_any_dtype(dtype, "dtype").name
     return sum(b if backward else f for p, d, f, b in self.rows if (p, d) == (primitive, name))
 
   def locations(self, primitive: str, dtype: Any, backward: bool = False) -> dict[Location, int]:
@@ -740,7 +745,7 @@ class PrecisionSummary:
     (a named tuple: `scope`, `file`, `line`, `function`) with how many times it ran
     there, in the order of the program. A backward operation is located where the
     operation it differentiates was written."""
-    name = np.dtype(dtype).name
+    name = _policy.as_any_dtype(dtype, "dtype").name
     found = {}
     for site in self.sites:
       count = site.backward if backward else site.forward

@@ -367,6 +367,31 @@ def test_linear_solves_run_at_traced_precision_without_a_warning():
       np.testing.assert_allclose(jls.autocast(solve)(a, X[0]), solve(a, X[0]), rtol=1e-5)
 
 
+def test_jaxs_high_level_primitives_run_as_traced():
+  # With jax 0.12, ldexp, frexp and searchsorted (interp, digitize) are `call_hi_primitive`
+  # equations, typed by what they were traced with: ldexp of a float16 matmul's result by
+  # 2**20 would be inf in float16, and interp crashed inside JAX.
+  ldexp = lambda w, x: jnp.ldexp(x @ w, 20)
+  out = jls.autocast(ldexp)(W, X)
+  assert out.dtype == F32 and np.isfinite(out).all()
+  np.testing.assert_allclose(out / 2**20, X @ W, atol=1e-2)  # float16's matmul, scaled
+  interp = lambda w, x: jnp.interp(x @ w, jnp.linspace(-3.0, 3.0, 7), jnp.arange(7.0))
+  np.testing.assert_allclose(jls.autocast(interp)(W, X), interp(W, X), atol=1e-2)
+  loss = lambda w, x: jnp.sum(jnp.ldexp(x @ w, 20) ** 2) * 1e-12
+  np.testing.assert_allclose(jax.jit(jax.grad(jls.autocast(loss)))(W, X), jax.grad(loss)(W, X),
+                             rtol=2e-2, atol=1e-2)
+
+
+def test_called_without_jit_a_typed_prng_key_is_an_argument_like_any_array():
+  def dropout_loss(w, key, x):
+    h = x @ w
+    return jnp.mean(jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h, 0.0) ** 2)
+
+  key = jax.random.key(0)
+  expected = jax.jit(jls.autocast(dropout_loss))(W, key, X)
+  np.testing.assert_array_equal(jls.autocast(dropout_loss)(W, key, X), expected)
+
+
 # --- where operations ran, and messages in the user's words ----------------------------
 
 
@@ -455,6 +480,16 @@ def test_a_gradient_that_raises_is_raised_by_the_summary():
   broken.defvjp(lambda x: (x, None), backward)
   with pytest.raises(ValueError, match="a broken backward rule"):
     summary(lambda w, x: jnp.sum(broken(x @ w)), W, X)
+
+
+def test_the_summary_reads_a_dtype_as_autocast_does():
+  # NumPy reads "f16" as float128: a count by that name would be 0 whatever ran.
+  ran = summary(jls.autocast(loss_of(two_layers)), W, X)
+  assert ran.count("dot_general", "f16") == ran.count("dot_general", F16) > 0
+  assert ran.locations("dot_general", "f16") == ran.locations("dot_general", F16)
+  assert ran.count("dot_general", "bf16") == 0
+  with pytest.raises(ValueError, match=r"`dtype` must be a dtype.*got 'f8'"):
+    ran.count("dot_general", "f8")
 
 
 def test_a_function_with_no_reverse_derivative_is_summarized_forward_with_a_warning():
