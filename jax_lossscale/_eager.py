@@ -99,8 +99,9 @@ def _hashable(x: Any) -> bool:
 
 def _avals(arrays: list) -> tuple:
   """What `jit` traces again for: each array's shape, dtype and weak type."""
-  return tuple(None if x is None else (x.shape, jax.dtypes.canonicalize_dtype(x.dtype),
-                                       bool(getattr(x, "weak_type", False))) for x in arrays)
+  return tuple(None if x is None else
+               (x.shape, jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True),
+                bool(getattr(x, "weak_type", False))) for x in arrays)
 
 
 class _Static:
