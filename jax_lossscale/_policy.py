@@ -102,6 +102,18 @@ def as_dtype(value: Any, argument: str) -> jnp.dtype:
   return dtype
 
 
+def as_any_dtype(value: Any, argument: str) -> jnp.dtype:
+  """`value` as a dtype of any kind (integer and boolean too), read as `as_dtype` reads
+  one: `"f16"` is float16, `"int32"` int32, and NumPy's abbreviations and `None` are
+  refused with a `ValueError` naming `argument`."""
+  dtype = _dtype_or_none(value)
+  if dtype is None:
+    raise ValueError(
+        f"`{argument}` must be a dtype (jnp.float16, jnp.int32, 'bfloat16', ...) or one of "
+        f"the names {_GRAMMAR}, got {value!r}.")
+  return dtype
+
+
 def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
   """Casts the real floating array leaves of `tree` (JAX or NumPy arrays, as jmp does);
   everything else is untouched, NumPy scalars and Python numbers included, as in jmp."""

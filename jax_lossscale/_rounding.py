@@ -25,6 +25,7 @@ import numpy as np
 from jax_lossscale import _finite
 from jax_lossscale import _jax_internals
 from jax_lossscale import _numerics
+from jax_lossscale import _policy
 from jax_lossscale import _trees
 
 ROUNDINGS = ("nearest", "stochastic", "compensated")
@@ -44,14 +45,16 @@ def check_rounding(rounding: Any) -> str:
 def check_state_dtype(state_dtype: Any) -> np.dtype | None:
   if state_dtype is None:
     return None
-  try:
-    dtype = jnp.dtype(state_dtype)
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError("`state_dtype` must be a floating dtype such as jnp.bfloat16 (or None "
-                     f"to keep the inner optimizer's dtypes), got "
-                     f"{repr(state_dtype) if dtype is None else dtype.name}.")
+  try:  # read as every dtype argument is: "bf16" is bfloat16, "f16" not NumPy's float128
+    dtype = _policy.as_dtype(state_dtype, "state_dtype")
+  except ValueError:
+    try:
+      shown = _policy.as_any_dtype(state_dtype, "state_dtype").name  # int32, not its class
+    except ValueError:
+      shown = repr(state_dtype)
+    raise ValueError("`state_dtype` must be a floating dtype such as jnp.bfloat16 or "
+                     "'bf16' (or None to keep the inner optimizer's dtypes), got "
+                     f"{shown}.") from None
   if _numerics.has_short_range(dtype):
     raise ValueError(
         "`state_dtype` must have float32's exponent range (jnp.bfloat16, jnp.float32 or "

@@ -45,6 +45,24 @@ def test_a_state_dtype_that_is_not_floating_is_refused(state_dtype, shown):
     jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
 
 
+@pytest.mark.parametrize("state_dtype", ["f8", float, "float"])
+def test_a_state_dtype_numpy_would_read_as_float64_is_refused(state_dtype):
+  # NumPy reads "f8" and Python's float as float64, which x64 off makes float32: nothing
+  # would be narrowed, silently.
+  with pytest.raises(ValueError, match=r"`state_dtype` must be a floating dtype"):
+    jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
+
+
+def test_a_state_dtype_is_read_as_every_dtype_argument_is():
+  # "bf16" as autocast reads it; "f16" is float16 (refused for its range), not NumPy's
+  # float128.
+  params = {"w": jnp.ones(4)}
+  state = jls.loss_scaling(optax.adam(1e-3), state_dtype="bf16").init(params)
+  assert state.inner_state[0].mu["w"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"`state_dtype`.*jnp.bfloat16.*got float16"):
+    jls.loss_scaling(optax.adam(1e-3), state_dtype="f16")
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_a_state_dtype_without_float32s_range_is_refused(state_dtype):
   # Adam's nu squares the gradients: in float16 those below about 2.4e-4 are zero there.
