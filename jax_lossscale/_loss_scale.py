@@ -263,7 +263,7 @@ class LossScale(abc.ABC):
       A bool scalar array; by default True (TensorFlow: a fixed scale always applies).
       `loss_scaling` never applies non-finite gradients, whatever this returns.
     """
-    return jnp.ones_like(grads_finite)
+    return jnp.ones_like(_validation.flag("grads_finite", grads_finite))
 
   def _scaling(self) -> _numerics.Rescale:
     return _numerics.Rescale((self(),))
@@ -338,6 +338,7 @@ class NoOpLossScale(LossScale):
     return _numerics.Rescale()
 
   def adjust(self, grads_finite: jax.Array, measured: Any = None) -> NoOpLossScale:
+    _validation.flag("grads_finite", grads_finite)
     return self
 
 
@@ -368,6 +369,7 @@ class FixedLossScale(LossScale):
     return jnp.asarray(self.loss_scale_value, jnp.float32)
 
   def adjust(self: _T, grads_finite: jax.Array, measured: Any = None) -> _T:
+    _validation.flag("grads_finite", grads_finite)
     return self
 
 
@@ -441,7 +443,7 @@ class DynamicLossScale(LossScale):
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
   def should_apply(self, grads_finite: jax.Array) -> jax.Array:
-    return grads_finite
+    return _validation.flag("grads_finite", grads_finite)
 
   def _times(self, scale: jax.Array, factor: float) -> jax.Array:
     if self.factor_precision == "float64":
@@ -449,7 +451,7 @@ class DynamicLossScale(LossScale):
     return _numerics.flush_subnormals(scale * np.float32(factor))
 
   def adjust(self, grads_finite: jax.Array, measured: Any = None) -> DynamicLossScale:
-    finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
+    finite = _validation.flag("grads_finite", grads_finite)  # a Python bool's `~` is an int
     # Within this configuration's limits, also for a state restored unchecked (orbax).
     high = np.float32(np.inf if self.max_loss_scale is None else self.max_loss_scale)
     scale = jnp.clip(self(), np.float32(self.min_loss_scale), high)

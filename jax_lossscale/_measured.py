@@ -139,10 +139,10 @@ class MeasuredLossScale(LossScale):
     return jnp.asarray(self.current_loss_scale, jnp.float32)
 
   def should_apply(self, grads_finite: jax.Array) -> jax.Array:
-    return grads_finite
+    return _validation.flag("grads_finite", grads_finite)
 
   def adjust(self, grads_finite: jax.Array, measured: Any = None) -> MeasuredLossScale:
-    grads_finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
+    grads_finite = _validation.flag("grads_finite", grads_finite)  # `~True` is an int
     scale = self()
     limit = np.float32(jnp.finfo(self.dtype).max)
     if measured is None:  # read as no gradient at all, it would jump to max_loss_scale

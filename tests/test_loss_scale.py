@@ -163,6 +163,21 @@ def test_empty_tree_counts_as_finite(grads):
   assert bool(should_apply) and float(ls()) == 16
 
 
+@pytest.mark.parametrize("ls", [jls.NoOpLossScale(), jls.FixedLossScale(8), jls.DynamicLossScale(),
+                                jls.MeasuredLossScale()], ids=lambda ls: type(ls).__name__)
+@pytest.mark.parametrize("grads_finite, problem", [
+    (float("nan"), r"got nan \(float\)"), (jnp.ones(3), "dtype float32"),
+    (jnp.array([True, False]), r"shape \(2,\)"), (jnp.asarray(1), "dtype int32")])
+def test_adjust_and_should_apply_refuse_a_flag_that_is_not_a_boolean_scalar(
+    ls, grads_finite, problem):
+  # A NaN given as the flag counted as finite (the scale grew); the gradients given by
+  # mistake made the scale a vector.
+  with pytest.raises(ValueError, match=rf"`grads_finite` must be a boolean scalar.*{problem}"):
+    ls.adjust(grads_finite, jnp.float32(1.0))
+  with pytest.raises(ValueError, match=rf"`grads_finite` must be a boolean scalar.*{problem}"):
+    ls.should_apply(grads_finite)
+
+
 def test_update_returns_bool_scalar_and_typed_state():
   ls, should_apply = jls.DynamicLossScale().update(FINITE)
   assert should_apply.dtype == jnp.bool_ and should_apply.shape == ()
