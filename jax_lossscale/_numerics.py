@@ -175,6 +175,14 @@ def grow(scale: jax.Array, grown: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(grown), grown, scale)
 
 
+def compiled_reciprocal(divisor: float) -> float:
+  """What a compiled program multiplies by where it divides a float32 by the constant
+  `divisor`: XLA's algebraic simplifier rewrites `x / c` as `x * f32(1 / c)` (`x / 3` is
+  `x * 0.333333343`, not the exactly rounded quotient), as jmp's `DynamicLossScale`
+  backs off by its static `factor` under `jit`."""
+  return float(np.float32(1) / np.float32(divisor))
+
+
 def divided_by(x: jax.Array, divisor: float) -> jax.Array:
   """`x / float32(divisor)`, elementwise, correctly rounded to float32.
 

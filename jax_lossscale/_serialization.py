@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from jax_lossscale import _managers  # noqa: F401 (known to `deserialize` by their names)
+from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import REGISTRY
@@ -119,6 +121,9 @@ def _from_jmp(value: Any, argument: str) -> LossScale | None:
       ("multiplier", "factor"), ("min_loss_scale", "min_loss_scale"),
       ("num_good_steps", "counter"))}
   with _validation.renamed(**jmp_names):  # jmp's fields, as the caller wrote them
-    return DynamicLossScale(
+    converted = DynamicLossScale(
         scale, increment_period=int(value.period), multiplier=float(value.factor),
         min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))
+  # jmp backs off as `jit` compiles its division by `factor`, as `presets.jmp` does.
+  return dataclasses.replace(
+      converted, backoff_factor=_numerics.compiled_reciprocal(converted.multiplier))

@@ -11,6 +11,8 @@ reference model of that system in `tests/test_parity.py`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax_lossscale import _numerics
 from jax_lossscale import _validation
 from jax_lossscale._loss_scale import DynamicLossScale
@@ -85,9 +87,12 @@ def jmp(
     loss_scale: float = 2.0**15, period: int = 2000, factor: float = 2.0,
     min_loss_scale: float = 1.0,
 ) -> DynamicLossScale:
-  """DeepMind jmp's `DynamicLossScale`."""
+  """DeepMind jmp's `DynamicLossScale`, as it runs under `jit`: backing off by `factor`
+  multiplies by its float32 reciprocal (`_numerics.compiled_reciprocal`)."""
   names = dict(initial_loss_scale="loss_scale", increment_period="period", multiplier="factor")
-  return _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale)
+  scale = _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale)
+  return dataclasses.replace(scale,
+                             backoff_factor=_numerics.compiled_reciprocal(scale.multiplier))
 
 
 def flax(

@@ -205,7 +205,8 @@ class Jmp:
         self.scale = f32(self.scale * self.factor)
       self.counter = (self.counter + 1) % self.period
       return True
-    self.scale, self.counter = max(self.min, f32(self.scale / self.factor)), 0
+    # `scale / factor` with a static factor, as `jit` compiles it: times its reciprocal.
+    self.scale, self.counter = max(self.min, f32(self.scale * f32(1 / self.factor))), 0
     return False
 
   def counters(self):

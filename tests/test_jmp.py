@@ -193,6 +193,23 @@ def test_adjust_follows_jmps_trajectory_under_jit(maybe_jit):
   assert loss_scale.counter.dtype == jnp.int32 and loss_scale.min_loss_scale == 2
 
 
+def test_a_jmp_scale_converted_or_its_preset_backs_off_as_jmp_under_jit():
+  # jmp divides by its static factor, which `jit` compiles as a multiplication by its
+  # float32 reciprocal: 5 / 3 is not 5 * float32(1/3) in float32.
+  from jax_lossscale import presets
+  from jax_lossscale import tensorflow as jls_tf
+
+  theirs = real_jmp.DynamicLossScale(jnp.float32(5.0), period=2, factor=3)
+  converted = jls_tf.get(theirs)
+  preset = presets.jmp(5.0, period=2, factor=3.0)
+  adjust_theirs = jax.jit(lambda s, finite: s.adjust(finite))
+  adjust_ours = jax.jit(lambda s, finite: s.adjust(finite))
+  for finite in [False, True, True, False, True, True, True, True, False, False]:
+    theirs = adjust_theirs(theirs, jnp.bool_(finite))
+    converted, preset = (adjust_ours(s, jnp.bool_(finite)) for s in (converted, preset))
+    assert converted() == preset() == theirs.loss_scale, finite
+
+
 def test_adjust_under_vmap_updates_each_loss_scale_on_its_own_flag():
   loss_scales = jmp.DynamicLossScale(jnp.float32([4, 8, 16]), jnp.int32([1, 1, 0]), period=2)
   adjusted = jax.vmap(lambda s, f: s.adjust(f))(loss_scales, jnp.array([True, False, True]))

@@ -72,6 +72,8 @@ CASES = {
     "keras_small": (presets.keras, ref.Keras, dict(initial_scale=2.0, dynamic_growth_steps=3)),
     "jmp": (presets.jmp, ref.Jmp, {}),
     "jmp_small": (presets.jmp, ref.Jmp, dict(loss_scale=16.0, period=2, factor=4.0)),
+    # Backing off by 3 multiplies by float32(1/3) under `jit`: not the exact quotient.
+    "jmp_inexact_backoff": (presets.jmp, ref.Jmp, dict(loss_scale=1000.0, period=2, factor=3.0)),
     "flax": (presets.flax, ref.Flax, {}),
     "flax_small": (presets.flax, ref.Flax, dict(growth_interval=3, scale=2.0, minimum_scale=None)),
     # flax accepts 0: a growth on every finite step.
