@@ -805,6 +805,9 @@ def precision_summary(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Pre
       its floating arguments): the summary then has no backward pass. Any other error
       while tracing `fun` or its derivative is raised.
   """
+  if not callable(fun):
+    raise TypeError(f"precision_summary's `fun` must be callable, got {fun!r:.200} of type "
+                    f"{type(fun).__name__}.")
   wrt, replace = _trees.replaceable(
       (args, kwargs), lambda leaf: _trees.is_array(leaf) and _is_floating(leaf))
 

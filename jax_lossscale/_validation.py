@@ -72,7 +72,8 @@ def _number(name: str, value: Any, kind: str) -> int | float:
         f"fixed when the object is built (got {value.aval.str_short()}).")
   number = python_number(value)
   if number is None:
-    raise ValueError(f"`{name}` must be a {kind}, got {_describe(value)}.")
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ValueError(f"`{name}` must be {article} {kind}, got {_describe(value)}.")
   return number
 
 

@@ -96,6 +96,9 @@ def scaled_value_and_grad(
       state (a loss scale kept apart from the optimizer goes stale as soon as the scale
       moves), or if `value_and_grad` does not return `(value, grads)`.
   """
+  if not callable(fun):
+    raise TypeError(f"scaled_value_and_grad's `fun` must be callable (the loss function), "
+                    f"got {fun!r:.200} of type {type(fun).__name__}.")
   name = getattr(fun, "__name__", type(fun).__name__)
   measured_fun = placed(fun) if probes else fun
   extra = {} if argnums == 0 and value_and_grad is not jax.value_and_grad \

@@ -528,6 +528,10 @@ def test_the_summary_of_a_function_that_cannot_be_traced_names_it_and_its_argume
 def test_a_fun_that_is_not_callable_is_refused_at_once_naming_it(fun):
   with pytest.raises(TypeError, match=f"`fun`.*{fun}"):
     jls.autocast(fun)
+  with pytest.raises(TypeError, match=f"precision_summary's `fun`.*{fun}"):
+    jls.precision_summary(fun, W, X)
+  with pytest.raises(TypeError, match=f"scaled_value_and_grad's `fun`.*{fun}"):
+    jls.scaled_value_and_grad(fun)
 
 
 def test_an_unknown_primitives_warning_points_at_the_users_line():

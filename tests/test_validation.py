@@ -88,6 +88,13 @@ def test_arrays_booleans_and_strings_are_not_numbers(value):
     jls.FixedLossScale(value)
 
 
+def test_the_kind_of_number_asked_for_reads_as_english():
+  with pytest.raises(ValueError, match=r"`increment_period` must be an integer, got 'x'"):
+    jls.DynamicLossScale(increment_period="x")
+  with pytest.raises(ValueError, match=r"`loss_scale_value` must be a real number"):
+    jls.FixedLossScale("x")
+
+
 def test_a_traced_hyperparameter_is_refused_with_a_clear_message():
   with pytest.raises(ValueError, match="`initial_loss_scale`.*traced"):
     jax.jit(lambda s: jls.DynamicLossScale(s)())(jnp.float32(8.0))
