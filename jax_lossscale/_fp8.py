@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_lossscale import _jax_internals as internals
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 GRANULARITIES = ("tensor", "row")
@@ -183,10 +185,11 @@ def as_recipe(fp8: Any, compute_dtype: np.dtype) -> Any:
   """`autocast`'s `fp8` argument as a recipe (`None` stays `None`), checked with its
   `compute_dtype`."""
   if np.dtype(compute_dtype).itemsize == 1:
+    allowed = ("float16, bfloat16, float32 or float64" if fp8 is None
+               else "float16, bfloat16 or float32")
     raise ValueError(
-        f"`compute_dtype` must not be a float8 dtype (float16, bfloat16, float32 or "
-        f"float64), got {compute_dtype!r}: an unscaled float8 matmul flushes small values "
-        "to zero; pass "
+        f"`compute_dtype` must not be a float of 8 bits or fewer ({allowed}), got "
+        f"{compute_dtype!r}: an unscaled float8 matmul flushes small values to zero; pass "
         "`compute_dtype=jnp.bfloat16, fp8=\"tensorwise\"` for scaled float8 matmuls.")
   if fp8 is None or isinstance(fp8, Measurement):  # a readiness report's: any dtype
     return fp8
@@ -238,9 +241,11 @@ def matmul(recipe: Any, op: Any, operands: list, compute_dtype: np.dtype,
     return None
   if not measured._accepts(described):
     return None
-  float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype)
-  return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers), float8, compute_dtype,
-              result_dtype)
+  out_sharding = op.param("out_sharding")  # the program's own, where it named one
+  float8 = lambda lhs, rhs: _float8_dot(lhs, rhs, dimension_numbers, recipe, compute_dtype,
+                                        out_sharding)
+  return _run(recipe, op, described, lhs, rhs, Dot(dimension_numbers, out_sharding), float8,
+              compute_dtype, result_dtype)
 
 
 def _run(recipe: Any, op: Any, described: Float8Matmul, lhs: jax.Array, rhs: jax.Array,
@@ -399,15 +404,17 @@ def _output_scale(inverse: jax.Array, batch: Any, contract: Any, lhs: bool,
 
 
 def scaled_dot(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized, dimension_numbers: Any,
-               lhs_format: np.dtype, rhs_format: np.dtype, recipe: Float8Recipe) -> jax.Array:
+               lhs_format: np.dtype, rhs_format: np.dtype, recipe: Float8Recipe,
+               out_sharding: Any = None) -> jax.Array:
   """`dot_general(lhs, rhs)` on float8 operands (each quantized here unless it is already
-  `Quantized`), in float32, the scales divided out."""
+  `Quantized`), in float32, the scales divided out; `out_sharding` as `dot_general`'s."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   if not isinstance(lhs, Quantized):
     lhs = quantize(lhs, lhs_format, lhs_contract, recipe)
   if not isinstance(rhs, Quantized):
     rhs = quantize(rhs, rhs_format, rhs_contract, recipe)
-  out = lax.dot_general(lhs.values, rhs.values, dimension_numbers, preferred_element_type=_F32)
+  out = lax.dot_general(lhs.values, rhs.values, dimension_numbers, preferred_element_type=_F32,
+                        **_sharded(out_sharding))
   lhs_free = len(_others(lhs.ndim, lhs_contract, lhs_batch))
   rhs_free = len(_others(rhs.ndim, rhs_contract, rhs_batch))
   lhs_inverse = _output_scale(lhs.inverse, lhs_batch, lhs_contract, True, rhs_free)
@@ -425,10 +432,17 @@ def _unscaled(out: jax.Array, lhs_inverse: jax.Array, rhs_inverse: jax.Array) ->
                  lax.max(lhs_inverse, rhs_inverse))
 
 
-def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any) -> jax.Array:
+def plain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *_: Any,
+              out_sharding: Any = None) -> jax.Array:
   """`dot_general(lhs, rhs)` accumulated and returned in float32 (on float32 copies of the
   operands: the same products, and XLA:CPU has no bfloat16 x bfloat16 = float32 dot)."""
-  return lax.dot_general(lhs.astype(_F32), rhs.astype(_F32), dimension_numbers)
+  return lax.dot_general(lhs.astype(_F32), rhs.astype(_F32), dimension_numbers,
+                         **_sharded(out_sharding))
+
+
+def _sharded(out_sharding: Any) -> dict:
+  """`dot_general`'s keyword for `out_sharding`, none where JAX is to infer it."""
+  return {} if out_sharding is None else {"out_sharding": out_sharding}
 
 
 # The backward pass's matmuls.
@@ -480,9 +494,18 @@ def _gradients(dot: Callable, g: jax.Array, lhs: jax.Array, rhs: jax.Array,
   grad_format, lhs_format, rhs_format = formats
   of_lhs = _gradient_of_lhs(dimension_numbers, lhs.ndim, rhs.ndim)
   of_rhs = _gradient_of_rhs(dimension_numbers, lhs.ndim, rhs.ndim)
-  lhs_bar = dot(g, rhs, of_lhs.dimension_numbers, grad_format, rhs_format, recipe)
-  rhs_bar = dot(g, lhs, of_rhs.dimension_numbers, grad_format, lhs_format, recipe)
+  # Each gradient sharded as its operand, as JAX's own transpose does: the weight's
+  # gradient of a batch-sharded matmul contracts the sharded batch.
+  lhs_bar = dot(g, rhs, of_lhs.dimension_numbers, grad_format, rhs_format, recipe,
+                out_sharding=_values_sharding(lhs, of_lhs.axes))
+  rhs_bar = dot(g, lhs, of_rhs.dimension_numbers, grad_format, lhs_format, recipe,
+                out_sharding=_values_sharding(rhs, of_rhs.axes))
   return jnp.transpose(lhs_bar, of_lhs.axes), jnp.transpose(rhs_bar, of_rhs.axes)
+
+
+def _values_sharding(operand: jax.Array | Quantized, axes: tuple[int, ...]) -> Any:
+  values = operand.values if isinstance(operand, Quantized) else operand
+  return internals.transposed_sharding(values, axes)
 
 
 def _formats(recipe: Float8Recipe) -> tuple:
@@ -495,15 +518,17 @@ class Dot(NamedTuple):
 
   Attributes:
     dimension_numbers: its dimension numbers.
+    out_sharding: its result's sharding, where the program named one.
   """
   dimension_numbers: Any
+  out_sharding: Any = None
 
   def product(self, lhs: jax.Array, rhs: jax.Array, recipe: Float8Recipe | None) -> jax.Array:
     """The forward product in float32: in float8 under `recipe`, exact for None."""
     if recipe is None:
-      return plain_dot(lhs, rhs, self.dimension_numbers)
+      return plain_dot(lhs, rhs, self.dimension_numbers, out_sharding=self.out_sharding)
     return scaled_dot(lhs, rhs, self.dimension_numbers, recipe.lhs_format, recipe.rhs_format,
-                      recipe)
+                      recipe, self.out_sharding)
 
   def gradients(self, g: jax.Array, lhs: jax.Array, rhs: jax.Array,
                 recipe: Float8Recipe | None) -> tuple:
@@ -525,24 +550,27 @@ class Dot(NamedTuple):
                                   ("gradient for rhs", _gradient_of_rhs)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype):
-  """The float32 product; the operands' gradients in `dtype`."""
-  return scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _float8_dot(lhs, rhs, dimension_numbers, recipe, dtype, out_sharding):
+  """The float32 product, sharded as `out_sharding` says (None: as JAX infers); the
+  operands' gradients in `dtype`, each sharded as its operand."""
+  return scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe,
+                    out_sharding)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+def _float8_dot_forward(lhs, rhs, dimension_numbers, recipe, dtype, out_sharding):
   (lhs_contract, rhs_contract), _ = dimension_numbers
   if recipe.granularity == "tensor":  # the backward matmuls take the same scales: kept in float8
     lhs = quantize(lhs, recipe.lhs_format, lhs_contract, recipe)
     rhs = quantize(rhs, recipe.rhs_format, rhs_contract, recipe)
-  out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe)
+  out = scaled_dot(lhs, rhs, dimension_numbers, recipe.lhs_format, recipe.rhs_format, recipe,
+                   out_sharding)
   return out, (lhs, rhs)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _float8_dot_backward(dimension_numbers, recipe, dtype, residuals, g):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _float8_dot_backward(dimension_numbers, recipe, dtype, out_sharding, residuals, g):
   lhs, rhs = residuals  # `Quantized` per tensor, in `dtype` per row (scaled anew along rows)
   lhs_bar, rhs_bar = _gradients(scaled_dot, g, lhs, rhs, dimension_numbers, _formats(recipe),
                                 recipe)

@@ -139,6 +139,21 @@ def varying_axes(aval: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", None) or ())
 
 
+def transposed_sharding(x: Any, axes: tuple[int, ...]) -> Any:
+  """The sharding of a `dot_general` result that `jnp.transpose(result, axes)` takes to
+  `x`'s sharding, as JAX's own transpose of `dot_general` gives its backward matmuls; None
+  where `x` is sharded over no explicit mesh axis (JAX infers it then). A backward matmul
+  contracting an explicitly sharded axis (the weight's gradient of a batch-sharded
+  matmul) must be told its result's sharding."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  if explicit not in getattr(getattr(sharding, "mesh", None), "axis_types", ()):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(axes) - len(sharding.spec))
+  return sharding.update(spec=sharding.spec.update(
+      partitions=tuple(spec[a] for a in np.argsort(axes))))
+
+
 # The transformations being traced.
 
 try:  # The stack of traces, innermost last, and forward mode's trace: only private.

@@ -587,3 +587,26 @@ def test_fp8_gradients_of_a_data_parallel_shard_map_and_pmap_are_within_float8s_
   grad_format = jnp.float8_e5m2 if recipe == "tensorwise" else jnp.float8_e4m3fn
   assert ran.count("dot_general", jnp.float8_e4m3fn) == 1
   assert ran.count("dot_general", grad_format, backward=True) == 2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_on_an_explicit_mesh_shards_each_gradient_as_its_operand(recipe):
+  # The weight's gradient of a batch-sharded matmul contracts the sharded batch: JAX must
+  # be told its sharding (the weight's), as its own transpose of `dot_general` tells it;
+  # and a forward matmul's own `out_sharding` is kept.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  kx, kw = jax.random.split(jax.random.key(2))
+  x, w = jax.random.normal(kx, (64, 256)), jax.random.normal(kw, (256, 64)) / 16
+  loss = jls.autocast(lambda w, x: jnp.mean((x @ w) ** 2), jnp.bfloat16, fp8=recipe)
+  unsharded = jax.jit(jax.grad(loss))(w, x)
+  with jax.set_mesh(mesh):
+    for x_spec, w_spec in [(P("data"), P()), (P("data"), P(None, "model"))]:
+      sharded_w = jax.device_put(w, w_spec)
+      grads = jax.jit(jax.grad(loss))(sharded_w, jax.device_put(x, x_spec))
+      assert grads.sharding.is_equivalent_to(sharded_w.sharding, w.ndim)
+      np.testing.assert_array_equal(grads, unsharded)
+    matmul = jls.autocast(lambda x, w: jnp.matmul(x, w, out_sharding=P()), jnp.bfloat16,
+                          fp8=recipe)
+    out = jax.jit(matmul)(jax.device_put(x, P(None, "model")), jax.device_put(w, P("model")))
+    assert out.sharding.spec == P(None, None)
+    assert float(jnp.linalg.norm(out - x @ w) / jnp.linalg.norm(x @ w)) < 0.06

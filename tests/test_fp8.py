@@ -481,8 +481,17 @@ def test_an_fp8_argument_of_another_type_is_refused():
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, "float8_e5m2"])
 def test_a_float8_compute_dtype_is_refused(dtype):
-  with pytest.raises(ValueError, match="`compute_dtype`.*float8"):
+  with pytest.raises(ValueError, match=r"`compute_dtype` must not be a float of 8 bits or fewer "
+                     r"\(float16, bfloat16 or float32\), got .*float8"):
     jls.autocast(loss, dtype, fp8="tensorwise")
+  with pytest.raises(ValueError, match=r"\(float16, bfloat16, float32 or float64\)"):
+    jls.autocast(loss, dtype)  # without fp8, float64 is allowed
+
+
+def test_a_float4_compute_dtype_is_not_called_a_float8_one():
+  with pytest.raises(ValueError, match=r"`compute_dtype` must not be a float of 8 bits or fewer "
+                     r".*got dtype\(float4_e2m1fn\)"):
+    jls.autocast(loss, jnp.float4_e2m1fn)
 
 
 def test_a_float64_compute_dtype_is_refused_with_fp8():

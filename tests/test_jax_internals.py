@@ -572,3 +572,22 @@ def test_an_operation_run_by_evaluate_tells_its_name_scope_and_what_it_traces_ta
   record = lambda op, xs: (seen.append((op.name, op.name_scope)), op.bind(xs))[1]
   internals.evaluate(differentiated, [jnp.ones(2)], record)
   assert {scope for name, scope in seen if name == "tanh"} == {"layer_1"}  # not "jvp(layer_1)"
+
+
+def test_a_backward_matmuls_sharding_is_its_operands_permuted_on_explicit_meshes_only():
+  # What the fp8 backward matmuls read (`jax.typeof(x).sharding`, its mesh's axis types,
+  # `update`): the operand's spec permuted back through the transpose that follows.
+  x = jnp.ones((2, 3, 4))
+  assert internals.transposed_sharding(x, (1, 2, 0)) is None  # no mesh: JAX infers it
+  explicit = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  found = []
+  with jax.set_mesh(explicit):
+    sharded = jax.device_put(x, jax.sharding.PartitionSpec("data"))
+    jax.jit(lambda x: found.append(internals.transposed_sharding(x, (1, 2, 0))))(sharded)
+  [sharding] = found
+  # jnp.transpose(result, (1, 2, 0)) is laid out as x: x's first axis is the result's second.
+  assert tuple(sharding.spec) == (None, "data", None)
+  auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(auto):
+    assert internals.transposed_sharding(jax.device_put(x, jax.sharding.PartitionSpec("data")),
+                                         (1, 2, 0)) is None
