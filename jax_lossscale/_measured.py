@@ -59,8 +59,11 @@ class MeasuredLossScale(LossScale):
   every growth period. With a margin, an overflow drops the scale more than one doubling
   and it climbs back below the ceiling once the overflow leaves the history: an overflow
   at a scale that has not run finite since the ceiling was set lowers the ceiling to it.
-  A NaN that no scale avoids (a bad example, at a scale already proven) skips its step
-  and halves the scale for `history` steps, but does not lower the ceiling. Under
+  A NaN that no scale avoids (a bad example) skips its step and, recorded as an overflow,
+  drops the scale `1 + margin` doublings for `history` steps; more than `history` steps
+  after the last overflow, at a scale already proven, it does not lower the ceiling. NaNs
+  closer together than `history` steps lower the scale and the ceiling at each one (to
+  `min_loss_scale` if they keep coming), as `DynamicLossScale` halves at each. Under
   `optax.MultiSteps`, each micro-batch is a step of the history.
 
   Args:

@@ -215,6 +215,27 @@ def test_nans_no_scale_avoids_do_not_drive_the_scale_down():
   assert min(scales) == 2.0**14 and scales[120 + 4:] == [2.0**15] * (150 - 124)
 
 
+def test_with_the_defaults_a_nan_drops_the_scale_one_plus_margin_doublings_for_history_steps():
+  # The overflow's record (twice float16's largest over the scale) and the margin of 2:
+  # 8 times lower for 16 steps, then back. NaNs closer together than 16 steps lower it at
+  # each one, down to the floor (docs/backward-pass.md says so).
+  loss_scale = jls.MeasuredLossScale(2.0**10)
+  for _ in range(20):  # an unscaled maximum of 1: 2**13 keeps 2 doublings of margin
+    loss_scale = loss_scale.adjust(jnp.array(True), jnp.float32(loss_scale()))
+  assert float(loss_scale()) == 2.0**13
+  loss_scale = loss_scale.adjust(jnp.array(False), jnp.float32(jnp.nan))
+  scales = []
+  for _ in range(40):
+    loss_scale = loss_scale.adjust(jnp.array(True), jnp.float32(loss_scale()))
+    scales.append(float(loss_scale()))
+  assert scales == [2.0**10] * 15 + [2.0**13] * 25
+  for step in range(120):
+    nan = step % 6 == 5
+    seen = float("nan") if nan else float(loss_scale())
+    loss_scale = loss_scale.adjust(jnp.array(not nan), jnp.float32(seen))
+  assert float(loss_scale()) == 1.0
+
+
 def test_an_overflow_at_a_tiny_scale_keeps_the_history_finite_so_it_restores():
   # Below about 4e-34 the overflow's record, twice float16's maximum over the scale, was
   # inf, and a flax checkpoint of the state was refused as not finite.
