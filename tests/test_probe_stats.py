@@ -161,6 +161,25 @@ def test_a_tensor_reduced_in_rows_or_whole_gives_what_numpy_counts(shape, dtype)
                              np.array(expected) / [1, x.size, x.size], rtol=1e-7)
 
 
+@pytest.mark.parametrize("shape, kept", [((7, 5, 9), 1), ((4, 8, 10), 2)])
+def test_a_tensor_of_more_elements_than_int32_counts_is_counted_in_rows(monkeypatch, shape,
+                                                                       kept):
+  # A probed tensor of 2**31 float16 elements (16x2048x65536 logits) wrapped its zero
+  # count to a negative one; here the limit is lowered so that a small tensor passes it.
+  monkeypatch.setattr(probe_stats, "COUNT_LIMIT", 60)
+  rng = np.random.default_rng(2)
+  x = np.asarray(rng.normal(size=shape) * 10.0 ** rng.integers(-9, 2, size=shape), np.float16)
+  x.reshape(-1)[::5] = 0.0
+  magnitude = np.abs(np.float32(x))
+  expected = [magnitude.max(), (magnitude == 0).sum(),
+              ((magnitude > 0) & (magnitude < 2.0**-14)).sum()]
+  assert probe_stats._rows_counted_exactly(shape) == kept  # rows of at most 60 elements
+  np.testing.assert_array_equal(jax.jit(probe_stats._reduced, static_argnums=1)(
+      jnp.asarray(x), False), expected)
+  with pytest.raises(ValueError, match=r"shape \(61,\) has more than 60 elements"):
+    probe_stats._rows_counted_exactly((61,))
+
+
 def test_the_largest_gradient_over_all_probes_bounds_each_as_its_summary_does():
   # Rows of a scan (hit once each, exact), a probe hit twice (its binade's top) and one
   # under vmap (three hits): one computation over all gives what the summaries give.

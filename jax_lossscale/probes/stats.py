@@ -151,11 +151,19 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
     wide = jnp.float32 if jnp.finfo(t.dtype).max > jnp.finfo(jnp.float16).max else jnp.float16
     t = t.astype(wide)
   kept, operands = _kept_axes(t.shape), bit_operands(t)
+  wide = t.size > COUNT_LIMIT  # the whole's int32 counts would wrap: the rows' summed in float32
+  if wide:
+    kept = _rows_counted_exactly(t.shape)
   if kept:
     operands = lax.reduce(operands, _bit_init(t), _combine, tuple(range(kept, t.ndim)))
-  largest, zeros, below_normal = lax.reduce(operands, _bit_init(t), _combine,
-                                            tuple(range(kept or t.ndim)))
-  count = lambda c: c.astype(jnp.float32) / (max(t.size, 1) if fractions else 1)
+  if wide:
+    bits, zeros, below_normal = operands
+    largest = lax.reduce(bits, _bit_init(t)[0], lax.max, tuple(range(kept)))
+    zeros, below_normal = (jnp.sum(c.astype(jnp.float32)) for c in (zeros, below_normal))
+  else:
+    largest, zeros, below_normal = lax.reduce(operands, _bit_init(t), _combine,
+                                              tuple(range(kept or t.ndim)))
+  count = lambda c: c.astype(jnp.float32) / (np.float32(max(t.size, 1)) if fractions else 1)
   largest = as_magnitude(largest, t.dtype)
   if jnp.dtype(t.dtype).itemsize > 4:  # float64 (x64): a finite maximum is float32's at most
     largest = jnp.where(jnp.isfinite(largest), jnp.minimum(largest, jnp.finfo(jnp.float32).max),
@@ -168,6 +176,22 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
 SPLIT_SIZE = 2**22
 ROWS = 16  # at least: enough rows for a CPU's threads
 ROW_LENGTH = 64  # at least: so the partial results are a small part of what is read
+
+
+# The largest count an int32 holds: a tensor of more elements is counted in rows of at
+# most this many, the rows' counts summed in float32 (the counts are float32 in the end).
+COUNT_LIMIT = 2**31 - 1
+
+
+def _rows_counted_exactly(shape: tuple[int, ...]) -> int:
+  """The fewest leading axes (one at least) that `shape`'s rows of at most `COUNT_LIMIT`
+  elements each need; a tensor whose last axis alone is longer is refused."""
+  for kept in range(1, len(shape)):
+    if math.prod(shape[kept:]) <= COUNT_LIMIT:
+      return kept
+  raise ValueError(f"a probed tensor of shape {shape} has more than {COUNT_LIMIT} elements "
+                   "along its last axis: its counts cannot be taken in rows of int32 counts; "
+                   "probe a reshaped tensor.")
 
 
 def _kept_axes(shape: tuple[int, ...]) -> int:
