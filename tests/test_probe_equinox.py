@@ -122,6 +122,28 @@ def test_equinox_two_stacks_of_one_depth_are_read_in_forward_order():
   assert diagnostics.backward_overflow_origin(probes) == "decoder[0]"
 
 
+def test_equinox_a_stack_sliced_by_a_python_loop_is_read_in_forward_order():
+  # Each layer sliced with `t[i]` gets its row from a traced index: its probes' rows are
+  # in the order they ran (linear[0], blocks[0], linear[1], ...), not a probe's all first,
+  # which named the wrong layer as the overflow's origin.
+  class Looped(eqx.Module):
+    blocks: EqxBlock
+
+    def __call__(self, x):
+      for i in range(3):
+        x = jax.tree.map(lambda t, i=i: t[i] if eqx.is_array(t) else t, self.blocks)(x)
+      return x
+
+  model = Looped(eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), 3)))
+  model = eqx.tree_at(lambda m: m.blocks.factor, model, jnp.array([1.0, jnp.inf, 1.0]))
+  loss = lambda m, x: jnp.sum(jax.vmap(m)(x).astype(jnp.float32))
+  grad_fn = pr.value_and_grad_with_probes(eqx.filter_value_and_grad, pr.equinox_probes(loss))
+  probes = grad_fn(model, jnp.ones((4, 8), F16))[2]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      *(f"blocks{p}[{i}]" for i in range(3) for p in ("/linear", ""))]
+  assert diagnostics.backward_overflow_origin(probes) == "blocks[1]"
+
+
 def eqx_run(stack, h):
   dynamic, static = eqx.partition(stack, eqx.is_array)
   return lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)[0]

@@ -345,6 +345,26 @@ def test_two_scans_of_one_length_are_read_in_forward_order(inner):
   assert diagnostics.backward_overflow_origin(probes) == "dec[0]"
 
 
+@pytest.mark.parametrize("row", ["concrete_array", "traced"])
+def test_rows_known_only_as_arrays_are_in_the_order_they_were_hit(row):
+  # `index=jnp.int32(i)`, or an index a transformation made traced (the row of a stack
+  # sliced in a Python loop): the rows run attn[0], mlp[0], attn[1], mlp[1].
+  def loss(ws, x):
+    h = x
+    for i in range(2):
+      index = jnp.int32(i) if row == "concrete_array" else lax.convert_element_type(
+          jnp.argmax(jnp.arange(2) == i), jnp.int32)
+      h = scale_backward(h @ ws[i].astype(F16), jnp.float32(jnp.inf if i == 1 else 1))
+      h = pr.probe(pr.probe(h, "attn", index=index, length=2) * 2, "mlp", index=index,
+                   length=2)
+    return jnp.sum(h.astype(jnp.float32))
+
+  probes = with_probes(loss)(PARAMS, X)[2]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      "attn[0]", "mlp[0]", "attn[1]", "mlp[1]"]
+  assert diagnostics.backward_overflow_origin(probes) == "attn[1]"  # grouped: "mlp[1]"
+
+
 @pytest.mark.parametrize("integer", [int, np.int64], ids=["int", "numpy_int"])
 def test_rows_given_as_python_ints_are_in_the_order_they_were_hit(integer):
   def loss(ws, x):

@@ -117,8 +117,19 @@ class _Discovery:
                        f"length={self.lengths[name]}; one name, one length.")
     if self.sizes.setdefault(name, np.size(x)) != np.size(x):
       self.sizes[name] = None  # hits of several sizes: each hit's figures are fractions
-    self.hits.append((name, int(index) if isinstance(index, (int, np.integer)) else None))
+    self.hits.append((name, _known_row(index)))
     return _order.marked(x, len(self.hits) - 1, index)
+
+
+def _known_row(index: Any) -> int | None:
+  """`index` as a Python int where it is known while tracing (an int, or a concrete
+  integer scalar such as `jnp.int32(2)`); None where only the running program knows it."""
+  if isinstance(index, (int, np.integer)):
+    return int(index)
+  if (isinstance(index, (jax.Array, np.ndarray)) and not _jax_internals.is_tracer(index)
+      and np.size(index) == 1 and jnp.issubdtype(index.dtype, jnp.integer)):
+    return int(np.asarray(index).reshape(()))
+  return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,6 +8,8 @@ carry or sliced inputs (a layer's index, not a recurrence scanned inside the lay
 
 from __future__ import annotations
 
+import collections
+
 from typing import Any
 
 import numpy as np
@@ -96,16 +98,26 @@ def _enter(eqn, args, origin, chain, found) -> None:
 def forward_order(lengths: dict, hits: list, loops_of_hits: dict) -> tuple:
   """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
   a loop's index, of every probe of that loop body (by length) interleaved, last to
-  first for a reversed scan."""
-  bodies, order = {}, {}
+  first for a reversed scan. A row known only when the program runs, outside any loop
+  (a jitted layer called in a Python loop with its number): a probe hit several times so
+  has its rows in the order of its hits, the first hit's row 0; hit once (a `vmap` over
+  the stack), all its rows at that hit."""
+  bodies, order, unknown = {}, {}, collections.Counter()
   for k, (name, index) in enumerate(hits):
     if lengths[name] is not None and index is None and loops_of_hits.get(k) is not None:
       members = bodies.setdefault((loops_of_hits[k], lengths[name]), [])
       members += [] if name in members else [name]
+    elif lengths[name] is not None and index is None:
+      unknown[name] += 1
+  rows_hit = collections.Counter()
   for k, (name, index) in enumerate(hits):
     length, loop = lengths[name], loops_of_hits.get(k)
     if length is None or index is not None:
       order.setdefault((name, index), None)
+    elif loop is None and unknown[name] > 1:
+      if rows_hit[name] < length:
+        order.setdefault((name, rows_hit[name]), None)
+      rows_hit[name] += 1
     else:
       names = bodies.get((loop, length), [name])
       rows = range(length)[::-1] if loop and loop[1] else range(length)
