@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -327,9 +328,11 @@ def _typos(word: str) -> set[str]:
               "probs", word}
 
 
-def _missing_gradients(grads: Any, params: Any) -> list[str]:
+def _missing_gradients(grads: Any, params: Any, floating: bool = True) -> list[str]:
   """The paths where `grads` has `None` and `params` a floating-point array: a gradient
-  that an optimizer keeping state per parameter (Adam's moments) cannot do without."""
+  that an optimizer keeping state per parameter (Adam's moments) cannot do without; with
+  `floating=False`, where `params` has an array of another dtype (an integer buffer of an
+  equinox module, which `eqx.filter_value_and_grad` gives no gradient)."""
   if params is None:
     return []
   if isinstance(params, optax.LookaheadParams):
@@ -340,7 +343,51 @@ def _missing_gradients(grads: Any, params: Any) -> list[str]:
   if len(ours) != len(theirs):
     return []
   return [jax.tree_util.keystr(path) for (path, g), p in zip(ours, theirs, strict=True)
-          if g is None and hasattr(p, "dtype") and _trees.is_float(p)]
+          if g is None and hasattr(p, "dtype") and _trees.is_float(p) == floating]
+
+
+def _warn_of_narrow_hyperparameters(inner_state: Any) -> None:
+  """Warns where `optax.inject_hyperparams` keeps hyperparameters narrower than float32
+  (in the parameters' dtype, its default): Adam's `b2=0.999` is 1.0 in bfloat16, so every
+  update is NaN and every step is skipped."""
+  injected = optax.InjectStatefulHyperparamsState
+  states = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, injected))
+  narrow = sorted({name for state in states if isinstance(state, injected)
+                   for name, value in state.hyperparams.items()
+                   if hasattr(value, "dtype") and _numerics.is_narrow(value.dtype)
+                   and jnp.issubdtype(value.dtype, jnp.floating)})
+  if narrow:
+    warnings.warn(
+        f"loss_scaling: optax.inject_hyperparams keeps the hyperparameters {narrow} in a "
+        "dtype narrower than float32 (the parameters' dtype, by default): Adam's b2=0.999 "
+        "is 1.0 in bfloat16, and every update is then NaN and every step skipped. Pass "
+        "`optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32)`.", stacklevel=4)
+
+
+def _inner_failure_note(grads: Any, params: Any) -> str:
+  """What to do about an error the inner optimizer raised, as far as the trees tell."""
+  missing = _missing_gradients(grads, params)
+  if missing:
+    return (f"loss_scaling: raised by the inner optimizer. `grads{missing[0]}` is None "
+            f"where `params{missing[0]}` is a floating-point array that the optimizer "
+            "state has a slot for: give it a gradient (zeros leave it unchanged), or leave "
+            "it out of the parameters given to tx.init and to the step.")
+  untrained = _missing_gradients(grads, params, floating=False)
+  if untrained:
+    return (f"loss_scaling: raised by the inner optimizer. `params{untrained[0]}` is an "
+            f"array of {jnp.result_type(_leaf_at(params, untrained[0]))} with no gradient, "
+            "and the optimizer state has a slot for it: give tx.init the trainable arrays "
+            "only, `tx.init(eqx.filter(module, eqx.is_inexact_array))` for an equinox "
+            "module (the step still takes the whole module).")
+  return ("loss_scaling: raised by the inner optimizer. If `state` was made by another "
+          "optimizer's init, pass this transformation's (tx.init).")
+
+
+def _leaf_at(tree: Any, path: str) -> Any:
+  if isinstance(tree, optax.LookaheadParams):
+    tree = tree.fast
+  return next(leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if jax.tree_util.keystr(p) == path)
 
 
 # --- the decision ------------------------------------------------------------------------
@@ -673,8 +720,10 @@ def loss_scaling(
   (the unscaled loss) is given and is not finite, and when `inner` turns finite
   gradients into inf or NaN updates of parameters narrower than float32 (free for
   float32 parameters). A skipped step returns updates of `-0.0` (the additive identity:
-  every parameter, even a `-0.0`, stays bit-identical) and keeps `inner_state` as it
-  was, so moments are not poisoned and step counts and schedules do not advance. Only
+  every parameter, even a `-0.0`, stays bit-identical; but for a subnormal float32 or
+  bfloat16 parameter, which XLA:CPU flushes to zero in any sum, as the next applied step
+  would: `apply_gradients` hands the parameters back untouched) and keeps `inner_state`
+  as it was, so moments are not poisoned and step counts and schedules do not advance. Only
   an overflow changes the loss scale at once; finite steps count towards a growth only
   when `inner` takes an optimizer step (`optax.MultiSteps` takes one every k calls). A
   step skipped for a non-finite `loss=` (or for non-finite updates of finite gradients)
@@ -823,6 +872,7 @@ class _Step:
       compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
     inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None)
     _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype)
+    _warn_of_narrow_hyperparameters(inner_state)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(
         loss_scale=jax.tree.map(jnp.array, self.initial), inner_state=inner_state,
@@ -880,14 +930,7 @@ class _Step:
             _trees.rescale_floats(wide_grads, decision.unscaling), wide_state, wide_params,
             **unscaled)
       except (AttributeError, TypeError, ValueError) as error:
-        missing = _missing_gradients(grads, params)
-        error.add_note(
-            f"loss_scaling: raised by the inner optimizer. `grads{missing[0]}` is None "
-            f"where `params{missing[0]}` is a floating-point array that the optimizer "
-            "state has a slot for: give it a gradient (zeros leave it unchanged), or leave "
-            "it out of the parameters given to tx.init and to the step." if missing else
-            "loss_scaling: raised by the inner optimizer. If `state` was made by "
-            "another optimizer's init, pass this transformation's (tx.init).")
+        error.add_note(_inner_failure_note(grads, params))
         raise
       out, compensation = updates, state.compensation
       if apply:

@@ -175,6 +175,35 @@ def test_equinox_module_with_static_fields(fused):
   assert int(jls.metrics(state)["skipped_steps"]) == 1
 
 
+def test_equinox_module_with_an_integer_buffer_is_trained_from_its_trainable_arrays():
+  # Given the whole module, init gives Adam moments for the int32 buffer, which
+  # filter_value_and_grad gives no gradient: the error says what to give init instead.
+  class Gathered(eqx.Module):
+    w: jax.Array
+    positions: jax.Array  # an int32 buffer, not trained
+
+    def __call__(self, x):
+      return jnp.tanh(x @ self.w)[self.positions]
+
+  model, x = Gathered(jnp.ones((3, 4)) / 3, jnp.arange(2)), jnp.ones(3)
+  loss = lambda m: jnp.sum(m(x))
+  tx = jls.loss_scaling(optax.adam(1e-2))
+  grad_fn = jls.scaled_value_and_grad(loss, value_and_grad=eqx.filter_value_and_grad)
+  whole = tx.init(model)
+  with pytest.raises(ValueError) as info:
+    tx.apply_gradients(grad_fn(whole, model)[1], whole, model)
+  assert ("`params.positions` is an array of int32 with no gradient"
+          in " ".join(info.value.__notes__))
+  assert "eqx.filter(module, eqx.is_inexact_array)" in " ".join(info.value.__notes__)
+  state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  loss_value, grads = grad_fn(state, model)
+  unscaled = {"w": grads.w / state.loss_scale()}
+  trained, state = eqx.filter_jit(tx.apply_gradients)(grads, state, model, loss=loss_value)
+  expected = optax.adam(1e-2).update(unscaled, optax.adam(1e-2).init({"w": model.w}))[0]
+  np.testing.assert_allclose(trained.w, model.w + expected["w"], rtol=1e-6)
+  assert trained.positions is not None and (trained.positions == model.positions).all()
+
+
 def test_equinox_module_is_accepted_whole_by_init_and_apply_gradients():
   # apply_gradients(grads, state, module) failed with "unsupported operand + :
   # custom_jvp and NoneType"; now the module is taken as eqx.apply_updates takes it.

@@ -8,6 +8,7 @@ Products of options are covered pairwise: each pair of values meets in some case
 """
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -808,6 +809,20 @@ def test_inject_hyperparams_inside_can_still_be_changed_between_steps():
   count = int(state.inner_state.count)
   _, state, _ = step(params, state, poison(batch))
   assert int(state.inner_state.count) == count
+
+
+def test_inject_hyperparams_in_bfloat16_is_warned_of_at_init():
+  # optax keeps injected hyperparameters in the parameters' dtype: b2=0.999 is 1.0 in
+  # bfloat16, every update NaN, every step skipped, counted but silent.
+  params = {"w": jnp.linspace(-1, 1, 4).astype(jnp.bfloat16)}
+  narrow = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  with pytest.warns(UserWarning, match=r"\['b1', 'b2', .*hyperparam_dtype=jnp.float32"):
+    jls.loss_scaling(narrow, jls.NoOpLossScale()).init(params)
+  wide = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jls.loss_scaling(wide, jls.NoOpLossScale()).init(params)
+    jls.loss_scaling(narrow, jls.NoOpLossScale()).init({"w": jnp.ones(4)})  # float32
 
 
 def test_schedules_do_not_advance_on_skipped_steps():

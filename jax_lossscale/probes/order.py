@@ -9,7 +9,6 @@ carry or sliced inputs (a layer's index, not a recurrence scanned inside the lay
 from __future__ import annotations
 
 import collections
-
 from typing import Any
 
 import numpy as np
