@@ -611,11 +611,13 @@ class Convolution(NamedTuple):
                ints(op.param("lhs_dilation")), ints(op.param("rhs_dilation")),
                lax.ConvDimensionNumbers(*map(ints, op.param("dimension_numbers"))))
 
-  def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    """The convolution of `lhs` by `rhs`, accumulated and returned in float32."""
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """The convolution of `lhs` by `rhs`, accumulated and returned in float32, sharded
+    as `out_sharding` says (None: as JAX infers)."""
     return lax.conv_general_dilated(lhs, rhs, self.window_strides, self.padding,
                                     self.lhs_dilation, self.rhs_dilation,
-                                    self.dimension_numbers, preferred_element_type=_F32)
+                                    self.dimension_numbers, preferred_element_type=_F32,
+                                    **_sharded(out_sharding))
 
   def _dilated(self, lhs_shape: tuple, rhs_shape: tuple, out_shape: tuple) -> tuple:
     """The spatial sizes of the input, kernel and result, each dilated as this
@@ -670,11 +672,15 @@ class Convolution(NamedTuple):
       reversed_rhs = lax.rev(rhs, spatial)
     of_lhs = self.of_lhs(lhs.shape, rhs.shape, g.shape)
     of_rhs = self.of_rhs(lhs.shape, rhs.shape, g.shape)
+    # Each gradient laid out and sharded as its operand, as JAX's transpose gives them (the
+    # kernel's gradient of a batch-sharded convolution contracts the sharded batch).
+    lhs_sharding = _values_sharding(lhs, tuple(range(lhs.ndim)))
+    rhs_sharding = _values_sharding(rhs, tuple(range(rhs.ndim)))
     if recipe is None:
-      return (of_lhs(g.astype(_F32), reversed_rhs.astype(_F32)),
-              of_rhs(lhs.astype(_F32), g.astype(_F32)))
-    return (scaled_conv(g, reversed_rhs, of_lhs, recipe.grad_format, recipe),
-            scaled_conv(lhs, g, of_rhs, recipe.grad_format, recipe))
+      return (of_lhs(g.astype(_F32), reversed_rhs.astype(_F32), lhs_sharding),
+              of_rhs(lhs.astype(_F32), g.astype(_F32), rhs_sharding))
+    return (scaled_conv(g, reversed_rhs, of_lhs, recipe.grad_format, recipe, lhs_sharding),
+            scaled_conv(lhs, g, of_rhs, recipe.grad_format, recipe, rhs_sharding))
 
   def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple:
     """`(kind, operand, axes its amax is taken over per row, the recipe's attribute
@@ -708,7 +714,8 @@ def _conv_output_scale(inverse: jax.Array, axis: int, ndim: int) -> jax.Array:
 
 
 def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
-                convolution: Convolution, fmt: np.dtype, recipe: Float8Recipe) -> jax.Array:
+                convolution: Convolution, fmt: np.dtype, recipe: Float8Recipe,
+                out_sharding: Any = None) -> jax.Array:
   """`convolution(lhs, rhs)` on float8 operands, both in `fmt` (each quantized here
   unless it is already `Quantized`; per row, along the input's batch axis and the
   kernel's output-feature axis, outside the contraction), in float32, the scales
@@ -718,7 +725,7 @@ def scaled_conv(lhs: jax.Array | Quantized, rhs: jax.Array | Quantized,
     lhs = quantize(lhs, fmt, _others(lhs.ndim, [lhs_spec[0]]), recipe)
   if not isinstance(rhs, Quantized):
     rhs = quantize(rhs, fmt, _others(rhs.ndim, [rhs_spec[0]]), recipe)
-  out = convolution(lhs.values, rhs.values)
+  out = convolution(lhs.values, rhs.values, out_sharding)
   return _unscaled(out, _conv_output_scale(lhs.inverse, out_spec[0], out.ndim),
                    _conv_output_scale(rhs.inverse, out_spec[1], out.ndim))
 

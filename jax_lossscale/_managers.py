@@ -47,7 +47,7 @@ class LossScaleManager(LossScale):
     return self.adjust(_validation.flag("finite_grads", finite_grads))
 
   def should_apply(self, grads_finite: jax.Array) -> jax.Array:
-    return grads_finite
+    return _validation.flag("grads_finite", grads_finite)
 
 
 @loss_scale_dataclass
@@ -129,7 +129,7 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
 
   def adjust(self, grads_finite: jax.Array,
              measured: Any = None) -> ExponentialUpdateLossScaleManager:
-    grads_finite = jnp.asarray(grads_finite, jnp.bool_)  # a Python bool's `~` is an int
+    grads_finite = _validation.flag("grads_finite", grads_finite)  # `~True` is an int
     scale = self()
     good = jnp.asarray(self.num_good_steps, jnp.int32)
     bad = jnp.asarray(self.num_bad_steps, jnp.int32)

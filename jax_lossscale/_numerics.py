@@ -175,12 +175,18 @@ def grow(scale: jax.Array, grown: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(grown), grown, scale)
 
 
-def compiled_reciprocal(divisor: float) -> float:
+def compiled_reciprocal(divisor: float) -> float | None:
   """What a compiled program multiplies by where it divides a float32 by the constant
   `divisor`: XLA's algebraic simplifier rewrites `x / c` as `x * f32(1 / c)` (`x / 3` is
   `x * 0.333333343`, not the exactly rounded quotient), as jmp's `DynamicLossScale`
-  backs off by its static `factor` under `jit`."""
-  return float(np.float32(1) / np.float32(divisor))
+  backs off by its static `factor` under `jit`. None where that is the division itself
+  (a power of two) or where the reciprocal is no normal float32 (a divisor beyond about
+  8.5e37, which the rewrite would flush to a product of zero)."""
+  reciprocal = np.float32(1) / np.float32(divisor)
+  mantissa, _ = math.frexp(float(divisor))
+  if mantissa == 0.5 or not reciprocal >= np.finfo(np.float32).tiny:
+    return None
+  return float(reciprocal)
 
 
 def divided_by(x: jax.Array, divisor: float) -> jax.Array:

@@ -125,5 +125,6 @@ def _from_jmp(value: Any, argument: str) -> LossScale | None:
         scale, increment_period=int(value.period), multiplier=float(value.factor),
         min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))
   # jmp backs off as `jit` compiles its division by `factor`, as `presets.jmp` does.
-  return dataclasses.replace(
-      converted, backoff_factor=_numerics.compiled_reciprocal(converted.multiplier))
+  backoff = _numerics.compiled_reciprocal(converted.multiplier)
+  return (converted if backoff is None
+          else dataclasses.replace(converted, backoff_factor=backoff))

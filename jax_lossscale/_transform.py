@@ -347,20 +347,25 @@ def _missing_gradients(grads: Any, params: Any, floating: bool = True) -> list[s
 
 
 def _warn_of_narrow_hyperparameters(inner_state: Any) -> None:
-  """Warns where `optax.inject_hyperparams` keeps hyperparameters narrower than float32
-  (in the parameters' dtype, its default): Adam's `b2=0.999` is 1.0 in bfloat16, so every
-  update is NaN and every step is skipped."""
+  """Warns where `optax.inject_hyperparams` keeps a hyperparameter in a dtype narrower than
+  float32 (the parameters', its default) that rounded it to 1 (Adam's `b2=0.999` in
+  bfloat16: every update NaN, every step skipped), at any depth of `inner_state`."""
   injected = optax.InjectStatefulHyperparamsState
-  states = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, injected))
-  narrow = sorted({name for state in states if isinstance(state, injected)
-                   for name, value in state.hyperparams.items()
-                   if hasattr(value, "dtype") and _numerics.is_narrow(value.dtype)
-                   and jnp.issubdtype(value.dtype, jnp.floating)})
-  if narrow:
+  found, pending = [], [inner_state]
+  while pending:
+    states = jax.tree.leaves(pending.pop(), is_leaf=lambda x: isinstance(x, injected))
+    for state in (x for x in states if isinstance(x, injected)):
+      pending.append(state.inner_state)
+      found += [(name, value) for name, value in state.hyperparams.items()
+                if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
+                and _numerics.is_narrow(value.dtype)
+                and not _jax_internals.is_tracer(value) and np.asarray(value == 1).all()]
+  if found:
+    names = ", ".join(f"`{name}` (1.0 in {jnp.result_type(value)})" for name, value in found)
     warnings.warn(
-        f"loss_scaling: optax.inject_hyperparams keeps the hyperparameters {narrow} in a "
-        "dtype narrower than float32 (the parameters' dtype, by default): Adam's b2=0.999 "
-        "is 1.0 in bfloat16, and every update is then NaN and every step skipped. Pass "
+        f"loss_scaling: optax.inject_hyperparams keeps its hyperparameters in the "
+        f"parameters' dtype, where {names} rounded to 1: Adam's b2=0.999 in bfloat16 makes "
+        "every update NaN and every step skipped. Pass "
         "`optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32)`.", stacklevel=4)
 
 

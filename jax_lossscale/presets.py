@@ -91,8 +91,8 @@ def jmp(
   multiplies by its float32 reciprocal (`_numerics.compiled_reciprocal`)."""
   names = dict(initial_loss_scale="loss_scale", increment_period="period", multiplier="factor")
   scale = _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale)
-  return dataclasses.replace(scale,
-                             backoff_factor=_numerics.compiled_reciprocal(scale.multiplier))
+  backoff = _numerics.compiled_reciprocal(scale.multiplier)
+  return scale if backoff is None else dataclasses.replace(scale, backoff_factor=backoff)
 
 
 def flax(

@@ -610,3 +610,21 @@ def test_fp8_on_an_explicit_mesh_shards_each_gradient_as_its_operand(recipe):
     out = jax.jit(matmul)(jax.device_put(x, P(None, "model")), jax.device_put(w, P("model")))
     assert out.sharding.spec == P(None, None)
     assert float(jnp.linalg.norm(out - x @ w) / jnp.linalg.norm(x @ w)) < 0.06
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_convolutions_on_an_explicit_mesh_shard_each_gradient_as_its_operand(recipe):
+  # The kernel's gradient of a batch-sharded convolution contracts the sharded batch.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x = jax.random.normal(jax.random.key(0), (8, 16, 16, 32))
+  w = jax.random.normal(jax.random.key(1), (3, 3, 32, 32)) / 16
+  conv = lambda w, x: jnp.mean(lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) ** 2)
+  loss = jls.autocast(conv, jnp.bfloat16, fp8=jls.Float8Recipe.from_name(recipe, convolutions=True))
+  unsharded = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(w, P()), jax.device_put(x, P("data"))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*sharded)
+  for grad, operand, expected in zip(grads, sharded, unsharded, strict=True):
+    assert grad.sharding.is_equivalent_to(operand.sharding, operand.ndim)
+    np.testing.assert_array_equal(grad, expected)

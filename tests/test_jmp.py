@@ -210,6 +210,22 @@ def test_a_jmp_scale_converted_or_its_preset_backs_off_as_jmp_under_jit():
     assert converted() == preset() == theirs.loss_scale, finite
 
 
+@pytest.mark.parametrize("factor", [2.0, 2.0**127, 1e38])
+def test_a_jmp_factor_whose_reciprocal_is_exact_or_tiny_backs_off_by_dividing(factor):
+  # A power of two divides exactly as it multiplies, and a factor past about 8.5e37 has
+  # no normal float32 reciprocal: the preset keeps the division (and accepts the factor).
+  from jax_lossscale import presets
+  from jax_lossscale import tensorflow as jls_tf
+
+  preset = presets.jmp(2.0**100, period=2, factor=factor)
+  converted = jls_tf.get(real_jmp.DynamicLossScale(jnp.float32(2.0**100), period=2,
+                                                   factor=factor))
+  for scale in (preset, converted):
+    assert scale.backoff_factor is None
+    expected = max(np.float32(2.0**100) / np.float32(factor), 1.0)
+    assert float(scale.adjust(jnp.bool_(False))()) == expected
+
+
 def test_adjust_under_vmap_updates_each_loss_scale_on_its_own_flag():
   loss_scales = jmp.DynamicLossScale(jnp.float32([4, 8, 16]), jnp.int32([1, 1, 0]), period=2)
   adjusted = jax.vmap(lambda s, f: s.adjust(f))(loss_scales, jnp.array([True, False, True]))

@@ -14,6 +14,7 @@ import reference_models
 from test_numerics import NARROW
 
 import jax_lossscale as jls
+from jax_lossscale import tensorflow as jls_tf
 from jax_lossscale import _jax_internals
 
 FINITE = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
@@ -164,7 +165,9 @@ def test_empty_tree_counts_as_finite(grads):
 
 
 @pytest.mark.parametrize("ls", [jls.NoOpLossScale(), jls.FixedLossScale(8), jls.DynamicLossScale(),
-                                jls.MeasuredLossScale()], ids=lambda ls: type(ls).__name__)
+                                jls.MeasuredLossScale(), jls_tf.FixedLossScaleManager(8),
+                                jls_tf.ExponentialUpdateLossScaleManager(8.0, 2)],
+                         ids=lambda ls: type(ls).__name__)
 @pytest.mark.parametrize("grads_finite, problem", [
     (float("nan"), r"got nan \(float\)"), (jnp.ones(3), "dtype float32"),
     (jnp.array([True, False]), r"shape \(2,\)"), (jnp.asarray(1), "dtype int32")])

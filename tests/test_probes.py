@@ -365,6 +365,21 @@ def test_rows_known_only_as_arrays_are_in_the_order_they_were_hit(row):
   assert diagnostics.backward_overflow_origin(probes) == "attn[1]"  # grouped: "mlp[1]"
 
 
+def test_a_vmapped_stack_keeps_each_probes_rows_together_even_when_a_cond_hits_it_twice():
+  # Under a vmap over the stack each probe is hit once with a batched index; one in both
+  # branches of a cond is hit twice: not two rows of three, all three at its first hit.
+  def layer(w, i, x):
+    h = pr.probe(jnp.tanh(x @ w), "attn", index=i, length=3)
+    h = lax.cond(jnp.sum(h) > 0, lambda h: pr.probe(h * 2, "mlp", index=i, length=3),
+                 lambda h: pr.probe(h * 3, "mlp", index=i, length=3), h)
+    return pr.probe(h + 1, "out", index=i, length=3)
+
+  loss = lambda ws, x: jnp.sum(jax.vmap(layer, in_axes=(0, 0, None))(ws, jnp.arange(3), x))
+  probes = with_probes(loss)(jnp.stack(PARAMS[:3]), X)[2]
+  assert [name for name, _ in diagnostics.layers(probes)] == [
+      f"{probe}[{row}]" for probe in ("attn", "mlp", "out") for row in range(3)]
+
+
 @pytest.mark.parametrize("integer", [int, np.int64], ids=["int", "numpy_int"])
 def test_rows_given_as_python_ints_are_in_the_order_they_were_hit(integer):
   def loss(ws, x):

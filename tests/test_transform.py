@@ -816,13 +816,21 @@ def test_inject_hyperparams_in_bfloat16_is_warned_of_at_init():
   # bfloat16, every update NaN, every step skipped, counted but silent.
   params = {"w": jnp.linspace(-1, 1, 4).astype(jnp.bfloat16)}
   narrow = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
-  with pytest.warns(UserWarning, match=r"\['b1', 'b2', .*hyperparam_dtype=jnp.float32"):
+  with pytest.warns(UserWarning, match=r"`b2` \(1.0 in bfloat16\) rounded to 1.*"
+                    r"hyperparam_dtype=jnp.float32"):
     jls.loss_scaling(narrow, jls.NoOpLossScale()).init(params)
+  nested = optax.inject_hyperparams(lambda learning_rate: optax.chain(narrow),
+                                    hyperparam_dtype=jnp.float32)(learning_rate=1.0)
+  with pytest.warns(UserWarning, match=r"`b2` \(1.0 in bfloat16\)"):
+    jls.loss_scaling(nested, jls.NoOpLossScale()).init(params)
   wide = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     jls.loss_scaling(wide, jls.NoOpLossScale()).init(params)
     jls.loss_scaling(narrow, jls.NoOpLossScale()).init({"w": jnp.ones(4)})  # float32
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    jls.loss_scaling(sgd, jls.NoOpLossScale()).init(params)  # nothing rounded to 1
+    jax.eval_shape(jls.loss_scaling(narrow, jls.NoOpLossScale()).init, params)
 
 
 def test_schedules_do_not_advance_on_skipped_steps():

@@ -98,9 +98,11 @@ def forward_order(lengths: dict, hits: list, loops_of_hits: dict) -> tuple:
   """`Probes.order`: rows given as Python ints in the order they were hit; rows given as
   a loop's index, of every probe of that loop body (by length) interleaved, last to
   first for a reversed scan. A row known only when the program runs, outside any loop
-  (a jitted layer called in a Python loop with its number): a probe hit several times so
-  has its rows in the order of its hits, the first hit's row 0; hit once (a `vmap` over
-  the stack), all its rows at that hit."""
+  (an equinox stack sliced in a Python loop): a probe hit once per row so has its rows in
+  the order of its hits, the first hit's row 0; hit another number of times (once under
+  a `vmap` over the stack, or in both branches of a `cond`), all its rows at its first
+  hit. (A jitted or checkpointed layer called in a Python loop is traced once, its probes
+  hit once: their rows are all at their first hit.)"""
   bodies, order, unknown = {}, {}, collections.Counter()
   for k, (name, index) in enumerate(hits):
     if lengths[name] is not None and index is None and loops_of_hits.get(k) is not None:
@@ -113,7 +115,7 @@ def forward_order(lengths: dict, hits: list, loops_of_hits: dict) -> tuple:
     length, loop = lengths[name], loops_of_hits.get(k)
     if length is None or index is not None:
       order.setdefault((name, index), None)
-    elif loop is None and unknown[name] > 1:
+    elif loop is None and unknown[name] == length > 1:
       if rows_hit[name] < length:
         order.setdefault((name, rows_hit[name]), None)
       rows_hit[name] += 1
