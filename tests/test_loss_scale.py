@@ -14,8 +14,8 @@ import reference_models
 from test_numerics import NARROW
 
 import jax_lossscale as jls
-from jax_lossscale import tensorflow as jls_tf
 from jax_lossscale import _jax_internals
+from jax_lossscale import tensorflow as jls_tf
 
 FINITE = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
 INF = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.zeros(())}
