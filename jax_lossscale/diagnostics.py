@@ -105,7 +105,8 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
       float32 number.
 
   Returns:
-    A dict of scalar arrays: `nonzero` (count of finite non-zero values),
+    A dict of scalar arrays: `nonzero` (count of finite non-zero values; int32, or
+    float32 for gradients of more than 2**31 - 1 values in all, which int32 cannot count),
     `underflow_fraction` (of those, the fraction that would become 0),
     `subnormal_fraction` (would land in the subnormal range), `overflow_fraction`
     (would become inf or NaN), `max_abs` and `min_abs` (largest and smallest
@@ -121,7 +122,10 @@ def gradient_stats(grads: Any, dtype: Any = jnp.float16, loss_scale: Any = 1.0) 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _gradient_stats(leaves: list[jax.Array], dtype: jnp.dtype, loss_scale: Any) -> dict:
-  # Compiled once per list of leaf types and dtype, also when called eagerly.
+  # Compiled once per list of leaf types and dtype, also when called eagerly. Each leaf
+  # counted in int32; the leaves' counts summed in float32 where int32 would wrap.
+  wide = sum(x.size for x in leaves) > np.iinfo(np.int32).max
+  total = jnp.float32 if wide else jnp.int32
   counts = {"nonzero": 0, "underflow": 0, "subnormal": 0, "overflow": 0}
   max_abs, min_abs = jnp.float32(0), jnp.float32(jnp.inf)
   for x in leaves:
@@ -134,14 +138,15 @@ def _gradient_stats(leaves: list[jax.Array], dtype: jnp.dtype, loss_scale: Any) 
       return jnp.ones(scaled.shape, bool) if limit is None else scaled < limit
 
     underflow, below_normal, finite = below("nonzero"), below("normal"), below("nonfinite")
-    counts["nonzero"] += jnp.sum(live, dtype=jnp.int32)
-    counts["underflow"] += jnp.sum(live & underflow, dtype=jnp.int32)
-    counts["subnormal"] += jnp.sum(live & ~underflow & below_normal, dtype=jnp.int32)
-    counts["overflow"] += jnp.sum(live & ~(finite & jnp.isfinite(scaled)), dtype=jnp.int32)
+    count = lambda flags: jnp.sum(flags, dtype=jnp.int32).astype(total)
+    counts["nonzero"] += count(live)
+    counts["underflow"] += count(live & underflow)
+    counts["subnormal"] += count(live & ~underflow & below_normal)
+    counts["overflow"] += count(live & ~(finite & jnp.isfinite(scaled)))
     max_abs = jnp.maximum(max_abs, jnp.max(jnp.where(live, x, 0), initial=0).astype(jnp.float32))
     min_abs = jnp.minimum(
         min_abs, jnp.min(jnp.where(live, x, jnp.inf), initial=jnp.inf).astype(jnp.float32))
-  nonzero = jnp.asarray(counts["nonzero"], jnp.int32)
+  nonzero = jnp.asarray(counts["nonzero"], total)
   denominator = jnp.maximum(nonzero, 1).astype(jnp.float32)
   return {
       "nonzero": nonzero,

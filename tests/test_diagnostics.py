@@ -112,6 +112,15 @@ def test_gradient_stats_counts_each_float16_boundary_exactly(maybe_jit):
   assert float(stats["min_abs"]) == np.float32(1e-12)
 
 
+def test_gradient_stats_of_more_values_than_int32_counts_are_counted_in_float32():
+  # Three leaves of 2**30 values (a model of 3.2e9 parameters): int32 totals wrapped.
+  big = jax.ShapeDtypeStruct((2**30,), jnp.float32)
+  stats = jax.eval_shape(jls.diagnostics.gradient_stats, {"a": big, "b": big, "c": big})
+  assert stats["nonzero"].dtype == jnp.float32
+  small = jax.eval_shape(jls.diagnostics.gradient_stats, {"a": big})
+  assert small["nonzero"].dtype == jnp.int32
+
+
 def test_gradient_stats_casts_nothing_to_the_target_dtype():
   # XLA:GPU drops a cast that is cast back (excess precision): the boundaries are
   # compared as thresholds, so the counts are the same on every platform.
