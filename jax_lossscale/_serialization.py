@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
 from jax_lossscale import _managers  # noqa: F401 (known to `deserialize` by their names)
-from jax_lossscale import _numerics
 from jax_lossscale import _policy
 from jax_lossscale import _validation
+from jax_lossscale import presets
 from jax_lossscale._loss_scale import REGISTRY
 from jax_lossscale._loss_scale import DynamicLossScale
 from jax_lossscale._loss_scale import FixedLossScale
@@ -124,7 +123,4 @@ def _from_jmp(value: Any, argument: str) -> LossScale | None:
     converted = DynamicLossScale(
         scale, increment_period=int(value.period), multiplier=float(value.factor),
         min_loss_scale=min_scale, num_good_steps=np.int32(value.counter))
-  # jmp backs off as `jit` compiles its division by `factor`, as `presets.jmp` does.
-  backoff = _numerics.compiled_reciprocal(converted.multiplier)
-  return (converted if backoff is None
-          else dataclasses.replace(converted, backoff_factor=backoff))
+  return presets._backing_off_as_jmp(converted)  # as `jit` compiles jmp's division

@@ -328,11 +328,11 @@ def _typos(word: str) -> set[str]:
               "probs", word}
 
 
-def _missing_gradients(grads: Any, params: Any, floating: bool = True) -> list[str]:
-  """The paths where `grads` has `None` and `params` a floating-point array: a gradient
-  that an optimizer keeping state per parameter (Adam's moments) cannot do without; with
-  `floating=False`, where `params` has an array of another dtype (an integer buffer of an
-  equinox module, which `eqx.filter_value_and_grad` gives no gradient)."""
+def _without_gradients(grads: Any, params: Any) -> list[tuple[str, Any]]:
+  """`(path, parameter)` where `grads` has `None` and `params` an array: a floating one
+  needs a gradient for an optimizer keeping state per parameter (Adam's moments); another
+  (an equinox module's integer buffer, which `eqx.filter_value_and_grad` gives none)
+  should not have been given to that optimizer's `init`."""
   if params is None:
     return []
   if isinstance(params, optax.LookaheadParams):
@@ -342,8 +342,8 @@ def _missing_gradients(grads: Any, params: Any, floating: bool = True) -> list[s
   theirs = jax.tree_util.tree_leaves(params, is_leaf=is_none)
   if len(ours) != len(theirs):
     return []
-  return [jax.tree_util.keystr(path) for (path, g), p in zip(ours, theirs, strict=True)
-          if g is None and hasattr(p, "dtype") and _trees.is_float(p) == floating]
+  return [(jax.tree_util.keystr(path), p) for (path, g), p in zip(ours, theirs, strict=True)
+          if g is None and hasattr(p, "dtype")]
 
 
 def _warn_of_narrow_hyperparameters(inner_state: Any) -> None:
@@ -371,28 +371,23 @@ def _warn_of_narrow_hyperparameters(inner_state: Any) -> None:
 
 def _inner_failure_note(grads: Any, params: Any) -> str:
   """What to do about an error the inner optimizer raised, as far as the trees tell."""
-  missing = _missing_gradients(grads, params)
-  if missing:
-    return (f"loss_scaling: raised by the inner optimizer. `grads{missing[0]}` is None "
-            f"where `params{missing[0]}` is a floating-point array that the optimizer "
+  gradientless = _without_gradients(grads, params)
+  floating = [(path, p) for path, p in gradientless if _trees.is_float(p)]
+  if floating:
+    path = floating[0][0]
+    return (f"loss_scaling: raised by the inner optimizer. `grads{path}` is None "
+            f"where `params{path}` is a floating-point array that the optimizer "
             "state has a slot for: give it a gradient (zeros leave it unchanged), or leave "
             "it out of the parameters given to tx.init and to the step.")
-  untrained = _missing_gradients(grads, params, floating=False)
-  if untrained:
-    return (f"loss_scaling: raised by the inner optimizer. `params{untrained[0]}` is an "
-            f"array of {jnp.result_type(_leaf_at(params, untrained[0]))} with no gradient, "
+  if gradientless:
+    path, param = gradientless[0]
+    return (f"loss_scaling: raised by the inner optimizer. `params{path}` is an "
+            f"array of {jnp.result_type(param)} with no gradient, "
             "and the optimizer state has a slot for it: give tx.init the trainable arrays "
             "only, `tx.init(eqx.filter(module, eqx.is_inexact_array))` for an equinox "
             "module (the step still takes the whole module).")
   return ("loss_scaling: raised by the inner optimizer. If `state` was made by another "
           "optimizer's init, pass this transformation's (tx.init).")
-
-
-def _leaf_at(tree: Any, path: str) -> Any:
-  if isinstance(tree, optax.LookaheadParams):
-    tree = tree.fast
-  return next(leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-              if jax.tree_util.keystr(p) == path)
 
 
 # --- the decision ------------------------------------------------------------------------

@@ -90,7 +90,13 @@ def jmp(
   """DeepMind jmp's `DynamicLossScale`, as it runs under `jit`: backing off by `factor`
   multiplies by its float32 reciprocal (`_numerics.compiled_reciprocal`)."""
   names = dict(initial_loss_scale="loss_scale", increment_period="period", multiplier="factor")
-  scale = _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale)
+  return _backing_off_as_jmp(
+      _dynamic(names, loss_scale, period, factor, min_loss_scale=min_loss_scale))
+
+
+def _backing_off_as_jmp(scale: DynamicLossScale) -> DynamicLossScale:
+  """`scale` backing off by its `multiplier` as jmp does under `jit`: times the float32
+  reciprocal (`_numerics.compiled_reciprocal`), where that is not the division itself."""
   backoff = _numerics.compiled_reciprocal(scale.multiplier)
   return scale if backoff is None else dataclasses.replace(scale, backoff_factor=backoff)
 

@@ -151,12 +151,12 @@ def _reduced(t: jax.Array, fractions: bool) -> tuple[jax.Array, jax.Array, jax.A
     wide = jnp.float32 if jnp.finfo(t.dtype).max > jnp.finfo(jnp.float16).max else jnp.float16
     t = t.astype(wide)
   kept, operands = _kept_axes(t.shape), bit_operands(t)
-  wide = t.size > COUNT_LIMIT  # the whole's int32 counts would wrap: the rows' summed in float32
-  if wide:
+  in_rows = t.size > COUNT_LIMIT  # the whole's int32 counts would wrap: rows' summed in float32
+  if in_rows:
     kept = _rows_counted_exactly(t.shape)
   if kept:
     operands = lax.reduce(operands, _bit_init(t), _combine, tuple(range(kept, t.ndim)))
-  if wide:
+  if in_rows:
     bits, zeros, below_normal = operands
     largest = lax.reduce(bits, _bit_init(t)[0], lax.max, tuple(range(kept)))
     zeros, below_normal = (jnp.sum(c.astype(jnp.float32)) for c in (zeros, below_normal))
