@@ -261,7 +261,7 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
   try:
     if _vmap_axes_under_an_explicit_mesh(axes):
       return _over_gathered(op, x, axes)
-    return op(x, axes)
+    return op(_varying_over(x, axes), axes)
   except (NameError, AssertionError, ValueError) as error:
     if axis_name is None and not isinstance(error, NameError):
       raise
@@ -270,6 +270,23 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
         f"{axis_name!r} ({type(error).__name__}: {str(error)[:300]}). Under jit with sharded "
         "arrays, leave it out: the check is already global. Inside shard_map, a vmap's "
         "axis cannot be agreed over with check_vma on.") from None
+
+
+def _varying_over(x: Any, axes: tuple[Hashable, ...]) -> Any:
+  """`x`, made to vary over each of `axes` that is a manual mesh axis it does not vary
+  over. A value equal on every device of an axis (a flag from gradients already averaged
+  over "data", on a "data" by "model" mesh) is agreed over that axis too, where JAX's
+  collectives refuse an axis their operand does not vary over."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind == jax.sharding.AxisType.Manual}
+
+  def varying(v):
+    missing = tuple(a for a in axes if a in manual
+                    and a not in _jax_internals.varying_axes(jax.typeof(v)))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v
+
+  return jax.tree.map(varying, x)
 
 
 # Each collective as a reduction of what `all_gather` stacks along a new first axis.

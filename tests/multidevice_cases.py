@@ -484,6 +484,64 @@ def test_stochastic_rounding_draws_equal_bits_for_replicas_and_other_bits_for_sh
   assert len({row.tobytes() for row in shards}) == 8
 
 
+def test_stochastic_rounding_under_pmap_draws_equal_bits_for_every_replica():
+  # pmap says nothing of which arrays are sharded: replicas of one parameter, equal values,
+  # draw equal bits and stay replicas; one replica's overflow skips every replica's step,
+  # the rounding counter included.
+  tx = jls.loss_scaling(optax.sgd(1.0), jls.NoOpLossScale(), rounding="stochastic")
+  params = {"w": jnp.ones(512, jnp.bfloat16)}
+  state = tx.init(params)
+  replicated = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 8), tree)
+  step = jax.pmap(tx.apply_gradients, axis_name="batch")
+  grads = replicated({"w": jnp.full(512, -1e-3, jnp.bfloat16)})
+  new, new_state = step(grads, replicated(state), replicated(params))
+  rows = np.asarray(new["w"], np.float32)
+  assert len(np.unique(rows[0])) == 2  # rounded up here, down there
+  assert all(np.array_equal(row, rows[0]) for row in rows)
+  assert np.asarray(new_state.rounding_counter).tolist() == [1] * 8
+  skipped, skipped_state = step({"w": grads["w"].at[3, 7].set(jnp.inf)}, new_state, new)
+  chex.assert_trees_all_equal(skipped, new)
+  chex.assert_trees_all_equal(skipped_state.rounding_counter, new_state.rounding_counter)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "compensated"])
+def test_a_data_by_model_mesh_steps_on_gradients_averaged_over_data(rounding):
+  # The usual data- and model-parallel step: the gradients, averaged over "data", vary
+  # over "model" only. The check's collective over both axes failed (JAX refuses to sum
+  # a value over an axis it does not vary over).
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = {"w": jnp.linspace(-1, 1, 2 * 64).astype(jnp.bfloat16)}
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(8.0), rounding=rounding,
+                        state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  model = lambda x: P("model") if x.shape == (2 * 64,) else P()
+  state_specs = jax.tree.map(model, state)
+
+  def step(batch, s, p):
+    grads = jax.grad(lambda p: jnp.mean((batch * p["w"]) ** 2))(p)
+    return tx.apply_gradients(jax.lax.pmean(grads, "data"), s, p)
+
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh,
+                                  in_specs=(P("data", "model"), state_specs, {"w": P("model")}),
+                                  out_specs=({"w": P("model")}, state_specs)))
+  batch = jnp.linspace(0.5, 1.5, 8 * 2 * 64).reshape(8, 2 * 64).astype(jnp.bfloat16)
+  new, new_state = sharded(batch, state, params)
+  assert not np.array_equal(np.asarray(new["w"]), np.asarray(params["w"]))
+  assert float(new_state.loss_scale()) == 8.0 and int(new_state.skipped_steps) == 0
+  if rounding != "stochastic":  # elementwise from averaged gradients: as on one device
+    grads = jax.grad(lambda p: jnp.mean((batch * p["w"]) ** 2))(params)
+    alone, _ = jax.jit(lambda g, s, p: tx.apply_gradients(g, s, p))(grads, state, params)
+    np.testing.assert_allclose(np.asarray(new["w"], np.float32),
+                               np.asarray(alone["w"], np.float32), atol=2**-8)
+  # One device's rows overflow: every device skips, and nothing it keeps moves.
+  skipped, skipped_state = sharded(batch.at[5, 70].set(jnp.inf), state, params)
+  chex.assert_trees_all_equal(skipped, params)
+  chex.assert_trees_all_equal(skipped_state.inner_state, state.inner_state)
+  chex.assert_trees_all_equal(skipped_state.compensation, state.compensation)
+  chex.assert_trees_all_equal(skipped_state.rounding_counter, state.rounding_counter)
+  assert float(skipped_state.loss_scale()) == 4.0 and int(skipped_state.skipped_steps) == 1
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
 @pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
 def test_bfloat16_writes_under_shard_map_of_sharded_and_replicated_parameters(
