@@ -59,6 +59,11 @@ def check_state_dtype(state_dtype: Any) -> np.dtype | None:
     raise ValueError(
         "`state_dtype` must have float32's exponent range (jnp.bfloat16, jnp.float32 or "
         f"jnp.float64), got {dtype.name}: {_SHORT_RANGE_STATE}")
+  if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+    raise ValueError(
+        f"`state_dtype` {dtype.name} needs `jax.config.update('jax_enable_x64', True)`: "
+        "with jax_enable_x64 off JAX keeps float32 arrays. Pass jnp.float32 or "
+        "jnp.bfloat16, or turn x64 on before building the optimizer.")
   return dtype
 
 
@@ -69,15 +74,18 @@ _SHORT_RANGE_STATE = (
     "grows about 20x, or the parameter stops moving).")
 
 
-def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None) -> None:
+def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None,
+                     params: Any = None) -> None:
   """Refuses an inner state of float16 or float8 arrays (the moments of float16
-  parameters) where this module would write it: with a `rounding` other than "nearest"
-  and no `state_dtype`. Computed in float32 and written back, such a moment would fail
-  silently where optax's own float16 arithmetic fails loudly (every step skipped)."""
+  parameters, `params`' 0-d ones included) where this module would write it: with a
+  `rounding` other than "nearest" and no `state_dtype`. Computed in float32 and written
+  back, such a moment would fail silently where optax's own float16 arithmetic fails
+  loudly (every step skipped)."""
   if rounding == "nearest" or state_dtype is not None:
     return
-  short = sorted({x.dtype.name for x in jax.tree.leaves(inner_state)
-                  if _kept(x) and _trees.is_array(x) and _numerics.has_short_range(x.dtype)})
+  scalars = scalar_parameters(params)
+  short = sorted({x.dtype.name for path, x in jax.tree_util.tree_leaves_with_path(inner_state)
+                  if _kept(path, x, scalars) and _numerics.has_short_range(x.dtype)})
   if short:
     raise ValueError(
         f"loss_scaling(..., rounding={rounding!r}): the inner optimizer keeps "
@@ -165,26 +173,30 @@ def load(grads: Any, inner_state: Any, state_dtype: np.dtype | None,
 
 
 def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, rounding: str,
-                counter: jax.Array | None) -> Any:
-  """The inner state as it is kept: its floating arrays of one dimension or more (moments,
-  momentum, accumulated gradients) in `state_dtype`, or, without one, in the dtypes of
-  `like` (the state before the step) where those are narrower than float32. Written
-  stochastically wherever there is a `counter` (every `rounding` but a plain "nearest"
-  with no `state_dtype`), whatever the parameters' `rounding`: a compensation buffer for
-  the state would cost what wider moments cost, and to nearest a slow moving average
-  would stop moving. Scalars (injected hyperparameters) keep their dtype, computed in
-  float32 where narrow. `like=None`: `init`'s state, written to nearest."""
+                counter: jax.Array | None, params: Any = None) -> Any:
+  """The inner state as it is kept: its real floating arrays of one dimension or more
+  (moments, momentum, accumulated gradients) in `state_dtype`, or, without one, in the
+  dtypes of `like` (the state before the step) where those are narrower than float32.
+  Written stochastically wherever there is a `counter` (every `rounding` but a plain
+  "nearest" with no `state_dtype`), whatever the parameters' `rounding`: a compensation
+  buffer for the state would cost what wider moments cost, and to nearest a slow moving
+  average would stop moving. Other scalars (injected hyperparameters, a line search's
+  step size) keep their dtype, computed in float32 where narrow; complex arrays too.
+  `like=None`: `init`'s state, written to nearest, where `params` tells the moments of
+  0-d parameters (a learned temperature) from other scalars: they are kept in
+  `state_dtype` too, and keep it at every step as other narrow scalars do."""
   if state_dtype is None and (rounding == "nearest" or like is None):
     return inner_state
   # Written to nearest, a moment kept in bfloat16 never moves by less than half a spacing:
   # Adam's nu (b2=0.999, a relative change of 0.001 < 2**-9) would never decay. Every
   # narrow write is stochastic where the state has a counter.
-  leaves, treedef = jax.tree.flatten(inner_state)
-  olds = [None] * len(leaves) if like is None else treedef.flatten_up_to(like)
+  paths, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
+  olds = [None] * len(paths) if like is None else treedef.flatten_up_to(like)
+  scalars = scalar_parameters(params) if like is None else ()
   stored = []
-  leaf_seeds = None if counter is None else seeds(counter, _STATE, len(leaves))
-  for index, (x, old) in enumerate(zip(leaves, olds, strict=True)):
-    if _kept(x):
+  leaf_seeds = None if counter is None else seeds(counter, _STATE, len(paths))
+  for index, ((path, x), old) in enumerate(zip(paths, olds, strict=True)):
+    if _kept(path, x, scalars):
       dtype = state_dtype if state_dtype is not None else (
           old.dtype if old is not None and is_narrow(old) else None)
     else:  # scalars keep their dtype (widened by `load` if narrow)
@@ -199,8 +211,24 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   return treedef.unflatten(stored)
 
 
-def _kept(x: Any) -> bool:
-  return _trees.is_float(x) and not isinstance(x, float) and jnp.ndim(x) >= 1
+def scalar_parameters(params: Any) -> tuple[tuple[Any, ...], ...]:
+  """The key paths of `params`' 0-d real floating arrays (none for a bare 0-d array,
+  whose path is empty: it would name every scalar of the state)."""
+  return tuple(path for path, p in jax.tree_util.tree_leaves_with_path(params)
+               if path and _trees.is_array(p) and jnp.ndim(p) == 0
+               and jnp.issubdtype(p.dtype, jnp.floating))
+
+
+def _kept(path: tuple[Any, ...], x: Any, scalars: tuple[tuple[Any, ...], ...] = ()) -> bool:
+  """Whether the state's leaf `x` at `path` is kept in `state_dtype`: a real floating
+  array of one dimension or more, or a moment of a 0-d parameter (its path ends with the
+  parameter's, one of `scalars`, outside injected hyperparameters)."""
+  if not _trees.is_array(x) or not jnp.issubdtype(x.dtype, jnp.floating):
+    return False
+  if jnp.ndim(x) >= 1:
+    return True
+  return (jax.tree_util.GetAttrKey("hyperparams") not in path
+          and any(path[-len(p):] == p for p in scalars if len(p) <= len(path)))
 
 
 def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = None,

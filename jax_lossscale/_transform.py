@@ -784,10 +784,12 @@ def loss_scaling(
       `"compensated"` it refuses parameters narrower than float32 (and `params=None`);
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
-      moment): the dtype the inner optimizer's floating arrays (Adam's `mu` and `nu`,
-      momentum; not scalars such as injected hyperparameters, nor integer counts) are
-      kept in, e.g. `jnp.bfloat16`; one with float32's exponent range (float16 and
-      float8 are refused: a second moment holds squared gradients). Every such array:
+      moment): the dtype the inner optimizer's real floating arrays (Adam's `mu` and
+      `nu`, momentum, a 0-d parameter's moments; not other scalars such as injected
+      hyperparameters, nor integer counts or complex moments) are kept in, e.g.
+      `jnp.bfloat16`; one with float32's exponent range (float16 and float8 are refused:
+      a second moment holds squared gradients), float64 only with `jax_enable_x64` on.
+      Every such array:
       an optimizer that keeps a copy of the parameters in its state
       (`optax.contrib.mechanize`'s `x0`, `prodigy`'s) keeps it in `state_dtype` too,
       rounded (mechanize then barely trains in bfloat16): leave those at None. The
@@ -870,8 +872,9 @@ class _Step:
         raise TypeError("wrap_state: with rounding='compensated', `params` must be the "
                         "parameters (their compensation buffers start at zero), got None.")
       compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
-    inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None)
-    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype)
+    inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None,
+                                        params)
+    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype, params)
     _warn_of_narrow_hyperparameters(inner_state)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(

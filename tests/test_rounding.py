@@ -2,6 +2,7 @@
 state narrower than float32, written to nearest, stochastically or with compensation."""
 
 import re
+import warnings
 
 import chex
 import jax
@@ -53,6 +54,13 @@ def test_a_state_dtype_numpy_would_read_as_float64_is_refused(state_dtype):
     jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
 
 
+@pytest.mark.parametrize("state_dtype", [jnp.float64, "float64", "f64"])
+def test_a_float64_state_dtype_is_refused_while_x64_is_off(state_dtype):
+  # JAX would keep the state in float32, silently.
+  with pytest.raises(ValueError, match=r"`state_dtype`.*float64.*jax_enable_x64"):
+    jls.loss_scaling(optax.adam(1e-3), state_dtype=state_dtype)
+
+
 def test_a_state_dtype_is_read_as_every_dtype_argument_is():
   # "bf16" as autocast reads it; "f16" is float16 (refused for its range), not NumPy's
   # float128.
@@ -86,6 +94,96 @@ def test_float16_moments_that_a_rounding_would_write_are_refused_at_init(roundin
   assert float(state.inner_state[0].nu["w"][0]) == pytest.approx(1e-3 * 1e-8, rel=2**-7)
   # No state to write: float16 parameters under SGD are taken.
   jls.loss_scaling(optax.sgd(1e-3), jls.NoOpLossScale(), rounding=rounding).init(params)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_the_float16_moments_of_a_0d_parameter_are_refused_and_kept_in_state_dtype(rounding):
+  # They were taken as scalars (hyperparameters) and written back in float16: a gradient
+  # of 1e-4 squared is 0 there, and Adam's steps grew (-0.438 after 300 steps against
+  # float32's -0.300).
+  params = {"t": jnp.zeros([], jnp.float16)}
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding)
+  with pytest.raises(ValueError, match=r"float16 state.*`state_dtype=jnp.bfloat16`"):
+    tx.init(params)
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding,
+                        state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  for _ in range(3):
+    params, state = step({"t": jnp.array(1e-4, jnp.float16)}, state, params)
+  nu = state.inner_state[0].nu["t"]
+  assert nu.dtype == jnp.bfloat16
+  assert float(nu) == pytest.approx((1 - 0.999**3) * 1e-8, rel=2**-6)
+
+
+def test_state_dtype_keeps_a_0d_parameters_moments_in_it_and_other_scalars_as_they_were():
+  # A 0-d parameter's moments are moments; an injected learning rate is not.
+  params = {"t": jnp.ones([]), "w": jnp.ones(4)}
+  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  tx = jls.loss_scaling(inner, jls.NoOpLossScale(), state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  _, state = jax.jit(tx.apply_gradients)(jax.tree.map(jnp.ones_like, params), state, params)
+  adam = state.inner_state.inner_state[0]
+  assert adam.mu["t"].dtype == adam.nu["t"].dtype == adam.mu["w"].dtype == jnp.bfloat16
+  assert state.inner_state.hyperparams["learning_rate"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name, inner, ratio", [
+    ("mechanize", optax.contrib.mechanize(optax.adam(1e-2)), (10, 20)),
+    ("prodigy", optax.contrib.prodigy(1.0), (0.99, 1.01))])
+def test_state_dtype_rounds_an_optimizers_copy_of_its_starting_point(name, inner, ratio):
+  # docs/bfloat16.md: mechanize's `x0`, rounded to bfloat16, is a point it does not start
+  # from, and it barely trains (14.9 against 1.06, the least loss); prodigy trains as it
+  # would without.
+  ka, kb, kw = jax.random.split(jax.random.key(0), 3)
+  a, b = jax.random.normal(ka, (64, 16)), jax.random.normal(kb, (64,))
+  loss = lambda p: jnp.mean((a @ p["w"] - b) ** 2)
+
+  def final_loss(state_dtype):
+    tx = jls.loss_scaling(inner, jls.NoOpLossScale(), state_dtype=state_dtype)
+    params = {"w": jax.random.normal(kw, (16,))}
+    step = jax.jit(lambda p, s: tx.apply_gradients(jax.grad(loss)(p), s, p))
+    state = tx.init(params)
+    for _ in range(300):
+      params, state = step(params, state)
+    return float(loss(params))
+
+  least = float(loss({"w": jnp.linalg.lstsq(a, b)[0]}))
+  assert final_loss(None) == pytest.approx(least, rel=0.01), name
+  low, high = ratio
+  assert low < final_loss(jnp.bfloat16) / final_loss(None) < high, name
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+@pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16])
+def test_metrics_read_the_same_whatever_the_rounding_and_state_dtype(rounding, state_dtype):
+  params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.zeros(2)}
+  poisoned = {"w": jnp.full(8, jnp.inf, jnp.bfloat16), "b": jnp.ones(2)}
+
+  def logged(**options):
+    tx = jls.loss_scaling(optax.adam(1e-2), jls.DynamicLossScale(2.0**15, increment_period=2),
+                          grad_norm=True, **options)
+    p, state = params, tx.init(params)
+    for grads in (jax.tree.map(jnp.ones_like, params), poisoned,
+                  jax.tree.map(jnp.ones_like, params)):
+      p, state = jax.jit(tx.apply_gradients)(grads, state, p)
+    return jax.device_get(jls.metrics(state))
+
+  chex.assert_trees_all_equal(logged(rounding=rounding, state_dtype=state_dtype), logged())
+
+
+def test_state_dtype_keeps_complex_moments_whole():
+  # They were cast to bfloat16, dropping the imaginary part (JAX only warned).
+  params = {"z": jnp.ones(4, jnp.complex64), "w": jnp.ones(4)}
+  tx = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(), state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  grads = {"z": jnp.full(4, 1j, jnp.complex64), "w": jnp.ones(4)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # JAX's "casting complex to real"
+    _, state = jax.jit(tx.apply_gradients)(grads, state, params)
+  adam = state.inner_state[0]
+  assert adam.mu["z"].dtype == jnp.complex64 and adam.mu["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(adam.mu["z"]), np.full(4, 0.1j), rtol=1e-6)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
