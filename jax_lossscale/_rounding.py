@@ -77,15 +77,15 @@ _SHORT_RANGE_STATE = (
 def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None,
                      params: Any = None) -> None:
   """Refuses an inner state of float16 or float8 arrays (the moments of float16
-  parameters, `params`' 0-d ones included) where this module would write it: with a
+  parameters, 0-d ones included, see `_kept`) where this module would write it: with a
   `rounding` other than "nearest" and no `state_dtype`. Computed in float32 and written
   back, such a moment would fail silently where optax's own float16 arithmetic fails
   loudly (every step skipped)."""
   if rounding == "nearest" or state_dtype is not None:
     return
-  scalars = scalar_parameters(params)
+  moments = scalar_moments(inner_state, params)
   short = sorted({x.dtype.name for path, x in jax.tree_util.tree_leaves_with_path(inner_state)
-                  if _kept(path, x, scalars) and _numerics.has_short_range(x.dtype)})
+                  if _kept(path, x, moments) and _numerics.has_short_range(x.dtype)})
   if short:
     raise ValueError(
         f"loss_scaling(..., rounding={rounding!r}): the inner optimizer keeps "
@@ -180,11 +180,14 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   Written stochastically wherever there is a `counter` (every `rounding` but a plain
   "nearest" with no `state_dtype`), whatever the parameters' `rounding`: a compensation
   buffer for the state would cost what wider moments cost, and to nearest a slow moving
-  average would stop moving. Other scalars (injected hyperparameters, a line search's
-  step size) keep their dtype, computed in float32 where narrow; complex arrays too.
-  `like=None`: `init`'s state, written to nearest, where `params` tells the moments of
-  0-d parameters (a learned temperature) from other scalars: they are kept in
-  `state_dtype` too, and keep it at every step as other narrow scalars do."""
+  average would stop moving.
+
+  `like=None`: `init`'s state, written to nearest. There the moments of `params`' 0-d
+  arrays (a learned temperature) are told from other scalars, and kept in `state_dtype`
+  too, as are float16 and float8 scalars (see `_kept`). Every other scalar (an injected
+  hyperparameter, a line search's step size) and complex arrays keep their dtype; at
+  every step, each scalar keeps the dtype `init` gave it, computed in float32 where
+  narrow."""
   if state_dtype is None and (rounding == "nearest" or like is None):
     return inner_state
   # Written to nearest, a moment kept in bfloat16 never moves by less than half a spacing:
@@ -192,15 +195,17 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   # narrow write is stochastic where the state has a counter.
   paths, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
   olds = [None] * len(paths) if like is None else treedef.flatten_up_to(like)
-  scalars = scalar_parameters(params) if like is None else ()
+  moments = scalar_moments(inner_state, params) if like is None else []
   stored = []
   leaf_seeds = None if counter is None else seeds(counter, _STATE, len(paths))
   for index, ((path, x), old) in enumerate(zip(paths, olds, strict=True)):
-    if _kept(path, x, scalars):
+    if old is not None and _trees.is_array(x) and x.ndim == 0:  # the dtype `init` chose
+      dtype = old.dtype if _trees.is_array(old) and _trees.is_float(old) else None
+    elif _kept(path, x, moments):
       dtype = state_dtype if state_dtype is not None else (
           old.dtype if old is not None and is_narrow(old) else None)
-    else:  # scalars keep their dtype (widened by `load` if narrow)
-      dtype = old.dtype if old is not None and _trees.is_array(old) and is_narrow(old) else None
+    else:
+      dtype = None
     if _trees.is_array(x) and _trees.is_float(x) and dtype is not None and x.dtype != dtype:
       if counter is not None and _numerics.is_narrow(dtype):
         x = stochastic(x.astype(jnp.float32), x if old is None else old, leaf_seeds[index],
@@ -211,24 +216,40 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   return treedef.unflatten(stored)
 
 
-def scalar_parameters(params: Any) -> tuple[tuple[Any, ...], ...]:
-  """The key paths of `params`' 0-d real floating arrays (none for a bare 0-d array,
-  whose path is empty: it would name every scalar of the state)."""
-  return tuple(path for path, p in jax.tree_util.tree_leaves_with_path(params)
-               if path and _trees.is_array(p) and jnp.ndim(p) == 0
-               and jnp.issubdtype(p.dtype, jnp.floating))
+def scalar_moments(inner_state: Any, params: Any) -> list[tuple[Any, ...]]:
+  """The key paths in `inner_state` of the moments of `params`' 0-d real floating
+  arrays: their places in each subtree of `inner_state` that has `params`' structure and
+  shapes (Adam's `mu` and `nu`, momentum's `trace`). None without `params`, or for a
+  bare 0-d array (which every scalar would match)."""
+  if params is None:
+    return []
+  scalars = [path for path, p in jax.tree_util.tree_leaves_with_path(params)
+             if path and _trees.is_array(p) and jnp.ndim(p) == 0
+             and jnp.issubdtype(p.dtype, jnp.floating)]
+  if not scalars:
+    return []
+  structure = jax.tree.structure(params)
+  shapes = [getattr(p, "shape", None) for p in jax.tree.leaves(params)]
+
+  def like_params(node):
+    return (jax.tree.structure(node) == structure
+            and [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == shapes)
+
+  found = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=like_params)[0]
+  return [(*path, *scalar) for path, node in found if like_params(node) for scalar in scalars]
 
 
-def _kept(path: tuple[Any, ...], x: Any, scalars: tuple[tuple[Any, ...], ...] = ()) -> bool:
+def _kept(path: tuple[Any, ...], x: Any, moments: list[tuple[Any, ...]]) -> bool:
   """Whether the state's leaf `x` at `path` is kept in `state_dtype`: a real floating
-  array of one dimension or more, or a moment of a 0-d parameter (its path ends with the
-  parameter's, one of `scalars`, outside injected hyperparameters)."""
+  array of one dimension or more; a moment of a 0-d parameter (at one of `moments`); or
+  a float16 or float8 scalar outside injected hyperparameters, moment or not (without
+  the parameters, `wrap_state` cannot tell), which its own dtype would not hold."""
   if not _trees.is_array(x) or not jnp.issubdtype(x.dtype, jnp.floating):
     return False
-  if jnp.ndim(x) >= 1:
+  if jnp.ndim(x) >= 1 or path in moments:
     return True
-  return (jax.tree_util.GetAttrKey("hyperparams") not in path
-          and any(path[-len(p):] == p for p in scalars if len(p) <= len(path)))
+  return (_numerics.has_short_range(x.dtype)
+          and jax.tree_util.GetAttrKey("hyperparams") not in path)
 
 
 def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = None,

@@ -785,8 +785,9 @@ def loss_scaling(
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's real floating arrays (Adam's `mu` and
-      `nu`, momentum, a 0-d parameter's moments; not other scalars such as injected
-      hyperparameters, nor integer counts or complex moments) are kept in, e.g.
+      `nu`, momentum, a 0-d parameter's moments, float16 scalars; not other scalars
+      such as injected hyperparameters, nor integer counts or complex moments) are kept
+      in, e.g.
       `jnp.bfloat16`; one with float32's exponent range (float16 and float8 are refused:
       a second moment holds squared gradients), float64 only with `jax_enable_x64` on.
       Every such array:

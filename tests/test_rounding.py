@@ -1,6 +1,7 @@
 """Specification of `loss_scaling(..., rounding=, state_dtype=)`: parameters and optimizer
 state narrower than float32, written to nearest, stochastically or with compensation."""
 
+import collections
 import re
 import warnings
 
@@ -170,6 +171,40 @@ def test_metrics_read_the_same_whatever_the_rounding_and_state_dtype(rounding, s
     return jax.device_get(jls.metrics(state))
 
   chex.assert_trees_all_equal(logged(rounding=rounding, state_dtype=state_dtype), logged())
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_float16_scalars_of_a_state_wrapped_without_its_parameters_are_refused(rounding):
+  # wrap_state(inner_state), as a restore does, cannot tell a 0-d parameter's moments:
+  # a float16 scalar is refused as a float16 moment would be.
+  params = {"t": jnp.zeros([], jnp.float16), "w": jnp.zeros(3)}
+  tx = jls.loss_scaling(optax.adam(1e-3), jls.NoOpLossScale(), rounding=rounding)
+  with pytest.raises(ValueError, match=r"float16 state.*`state_dtype=jnp.bfloat16`"):
+    tx.wrap_state(optax.adam(1e-3).init(params), params if rounding == "compensated" else None)
+
+
+def test_an_optimizers_own_scalars_keep_their_dtype_beside_a_parameter_of_their_name():
+  # A parameter field named `scale` is not reduce_on_plateau's `scale`, though both are
+  # reached by the attribute `scale`.
+  params = collections.namedtuple("Params", "w scale")(jnp.ones(4), jnp.ones([]))
+  inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+  tx = jls.loss_scaling(inner, jls.NoOpLossScale(), state_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  assert state.inner_state[0][0].mu.scale.dtype == jnp.bfloat16
+  assert state.inner_state[1].scale.dtype == jnp.float32
+
+
+def test_every_scalar_of_the_state_keeps_the_dtype_init_gave_it():
+  # init widened a 0-d parameter's bfloat16 moment to state_dtype=float32; optax's
+  # mu_dtype made it bfloat16 again at the step, and the next step traced anew.
+  inner = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
+  tx = jls.loss_scaling(inner, jls.DynamicLossScale(8.0), state_dtype=jnp.float32)
+  params = {"t": jnp.ones([], jnp.bfloat16), "w": jnp.ones(4, jnp.bfloat16)}
+  state = tx.init(params)
+  dtypes = jax.tree.map(lambda x: x.dtype, state)
+  _, stepped = jax.jit(tx.apply_gradients)(jax.tree.map(jnp.ones_like, params), state, params)
+  assert jax.tree.map(lambda x: x.dtype, stepped) == dtypes
+  assert stepped.inner_state[0].mu["t"].dtype == jnp.float32
 
 
 def test_state_dtype_keeps_complex_moments_whole():
