@@ -74,18 +74,16 @@ _SHORT_RANGE_STATE = (
     "grows about 20x, or the parameter stops moving).")
 
 
-def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None,
-                     params: Any = None) -> None:
+def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None) -> None:
   """Refuses an inner state of float16 or float8 arrays (the moments of float16
-  parameters, 0-d ones included, see `_kept`) where this module would write it: with a
+  parameters; scalars too, see `_kept`) where this module would write it: with a
   `rounding` other than "nearest" and no `state_dtype`. Computed in float32 and written
   back, such a moment would fail silently where optax's own float16 arithmetic fails
   loudly (every step skipped)."""
   if rounding == "nearest" or state_dtype is not None:
     return
-  moments = scalar_moments(inner_state, params)
   short = sorted({x.dtype.name for path, x in jax.tree_util.tree_leaves_with_path(inner_state)
-                  if _kept(path, x, moments) and _numerics.has_short_range(x.dtype)})
+                  if _kept(path, x, set()) and _numerics.has_short_range(x.dtype)})
   if short:
     raise ValueError(
         f"loss_scaling(..., rounding={rounding!r}): the inner optimizer keeps "
@@ -195,7 +193,7 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   # narrow write is stochastic where the state has a counter.
   paths, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
   olds = [None] * len(paths) if like is None else treedef.flatten_up_to(like)
-  moments = scalar_moments(inner_state, params) if like is None else []
+  moments = scalar_moments(inner_state, params) if like is None else set()
   stored = []
   leaf_seeds = None if counter is None else seeds(counter, _STATE, len(paths))
   for index, ((path, x), old) in enumerate(zip(paths, olds, strict=True)):
@@ -216,37 +214,44 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   return treedef.unflatten(stored)
 
 
-def scalar_moments(inner_state: Any, params: Any) -> list[tuple[Any, ...]]:
-  """The key paths in `inner_state` of the moments of `params`' 0-d real floating
-  arrays: their places in each subtree of `inner_state` that has `params`' structure and
-  shapes (Adam's `mu` and `nu`, momentum's `trace`). None without `params`, or for a
-  bare 0-d array (which every scalar would match)."""
+def scalar_moments(inner_state: Any, params: Any) -> set[str]:
+  """The key paths (`jax.tree_util.keystr`) in `inner_state` of the moments of `params`'
+  0-d real floating arrays: in each subtree of `inner_state` whose every leaf sits where
+  one of the arrays does (Adam's `mu` and `nu`, momentum's `trace`; `optax.masked`'s
+  and `multi_transform`'s, where masked-out places hold no leaf; adafactor's `v`, whose
+  factored places hold other shapes), the leaves at the 0-d arrays' places. None without
+  `params`, for a bare 0-d array (whose place is everywhere), or inside injected
+  hyperparameters."""
   if params is None:
-    return []
-  scalars = [path for path, p in jax.tree_util.tree_leaves_with_path(params)
-             if path and _trees.is_array(p) and jnp.ndim(p) == 0
-             and jnp.issubdtype(p.dtype, jnp.floating)]
+    return set()
+  arrays = jax.tree_util.tree_leaves_with_path(_trees.partition(params)[0])
+  places = {jax.tree_util.keystr(path) for path, _ in arrays if path}
+  scalars = {jax.tree_util.keystr(path) for path, p in arrays
+             if path and jnp.ndim(p) == 0 and jnp.issubdtype(p.dtype, jnp.floating)}
   if not scalars:
-    return []
-  structure = jax.tree.structure(params)
-  shapes = [getattr(p, "shape", None) for p in jax.tree.leaves(params)]
+    return set()
 
-  def like_params(node):
-    return (jax.tree.structure(node) == structure
-            and [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == shapes)
+  def at_places(node):
+    found = jax.tree_util.tree_leaves_with_path(node)
+    return bool(found) and all(jax.tree_util.keystr(path) in places for path, _ in found)
 
-  found = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=like_params)[0]
-  return [(*path, *scalar) for path, node in found if like_params(node) for scalar in scalars]
+  moments = set()
+  for path, node in jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=at_places)[0]:
+    if at_places(node) and jax.tree_util.GetAttrKey("hyperparams") not in path:
+      moments.update(jax.tree_util.keystr((*path, *place))
+                     for place, x in jax.tree_util.tree_leaves_with_path(node)
+                     if jax.tree_util.keystr(place) in scalars and jnp.ndim(x) == 0)
+  return moments
 
 
-def _kept(path: tuple[Any, ...], x: Any, moments: list[tuple[Any, ...]]) -> bool:
+def _kept(path: tuple[Any, ...], x: Any, moments: set[str]) -> bool:
   """Whether the state's leaf `x` at `path` is kept in `state_dtype`: a real floating
   array of one dimension or more; a moment of a 0-d parameter (at one of `moments`); or
   a float16 or float8 scalar outside injected hyperparameters, moment or not (without
   the parameters, `wrap_state` cannot tell), which its own dtype would not hold."""
   if not _trees.is_array(x) or not jnp.issubdtype(x.dtype, jnp.floating):
     return False
-  if jnp.ndim(x) >= 1 or path in moments:
+  if jnp.ndim(x) >= 1 or (moments and jax.tree_util.keystr(path) in moments):
     return True
   return (_numerics.has_short_range(x.dtype)
           and jax.tree_util.GetAttrKey("hyperparams") not in path)

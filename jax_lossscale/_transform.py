@@ -875,7 +875,7 @@ class _Step:
       compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
     inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None,
                                         params)
-    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype, params)
+    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype)
     _warn_of_narrow_hyperparameters(inner_state)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(

@@ -4,8 +4,10 @@ state narrower than float32, written to nearest, stochastically or with compensa
 import collections
 import re
 import warnings
+from typing import Any
 
 import chex
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,6 +192,40 @@ def test_every_scalar_of_the_state_keeps_the_dtype_init_gave_it():
   _, stepped = jax.jit(tx.apply_gradients)(jax.tree.map(jnp.ones_like, params), state, params)
   assert jax.tree.map(lambda x: x.dtype, stepped) == dtypes
   assert stepped.inner_state[0].mu["t"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", ["masked", "multi_transform", "adafactor"])
+def test_state_dtype_finds_a_0d_parameters_moments_where_other_places_differ(name):
+  # Masked-out places hold no leaf and adafactor's factored ones other shapes: the
+  # moments of "t" stayed float32 where a subtree had to have the parameters' shapes.
+  params = {"w": jnp.ones((16, 16)), "t": jnp.ones([]), "b": jnp.ones(4)}
+  inner = {
+      "masked": optax.masked(optax.adam(1e-2), {"w": True, "t": True, "b": False}),
+      "multi_transform": optax.multi_transform(
+          {"a": optax.adam(1e-2), "s": optax.sgd(1e-2, momentum=0.9)},
+          {"w": "a", "t": "a", "b": "s"}),
+      "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=8),
+  }[name]
+  state = jls.loss_scaling(inner, jls.NoOpLossScale(), state_dtype=jnp.bfloat16).init(params)
+  at_t = [x for path, x in jax.tree_util.tree_leaves_with_path(state.inner_state)
+          if path[-1] == jax.tree_util.DictKey("t") and jnp.issubdtype(x.dtype, jnp.floating)]
+  assert at_t and all(x.dtype == jnp.bfloat16 for x in at_t), at_t
+
+
+def test_state_dtype_finds_a_0d_parameters_moments_given_a_whole_equinox_module():
+  # init gives the inner optimizer the module's arrays; the moments were matched against
+  # the whole module, whose activation and Python float are leaves too.
+  class Model(eqx.Module):
+    linear: eqx.nn.Linear
+    temperature: jax.Array
+    activation: Any
+    scale: float
+
+  model = Model(eqx.nn.Linear(3, 2, key=jax.random.key(0)), jnp.ones([]), jax.nn.relu, 2.0)
+  state = jls.loss_scaling(optax.adam(1e-2), jls.NoOpLossScale(),
+                           state_dtype=jnp.bfloat16).init(model)
+  assert state.inner_state[0].mu.temperature.dtype == jnp.bfloat16
+  assert state.inner_state[0].nu.linear.weight.dtype == jnp.bfloat16
 
 
 def test_state_dtype_keeps_complex_moments_whole():
