@@ -74,16 +74,18 @@ _SHORT_RANGE_STATE = (
     "grows about 20x, or the parameter stops moving).")
 
 
-def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None) -> None:
+def check_state_kept(inner_state: Any, rounding: str, state_dtype: np.dtype | None,
+                     params: Any = None) -> None:
   """Refuses an inner state of float16 or float8 arrays (the moments of float16
-  parameters; scalars too, see `_kept`) where this module would write it: with a
+  parameters, 0-d ones included, see `_kept`) where this module would write it: with a
   `rounding` other than "nearest" and no `state_dtype`. Computed in float32 and written
   back, such a moment would fail silently where optax's own float16 arithmetic fails
   loudly (every step skipped)."""
   if rounding == "nearest" or state_dtype is not None:
     return
+  moments = scalar_moments(inner_state, params)
   short = sorted({x.dtype.name for path, x in jax.tree_util.tree_leaves_with_path(inner_state)
-                  if _kept(path, x, set()) and _numerics.has_short_range(x.dtype)})
+                  if _kept(path, x, moments) and _numerics.has_short_range(x.dtype)})
   if short:
     raise ValueError(
         f"loss_scaling(..., rounding={rounding!r}): the inner optimizer keeps "
@@ -181,11 +183,11 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   average would stop moving.
 
   `like=None`: `init`'s state, written to nearest. There the moments of `params`' 0-d
-  arrays (a learned temperature) are told from other scalars, and kept in `state_dtype`
-  too, as are float16 and float8 scalars (see `_kept`). Every other scalar (an injected
-  hyperparameter, a line search's step size) and complex arrays keep their dtype; at
-  every step, each scalar keeps the dtype `init` gave it, computed in float32 where
-  narrow."""
+  arrays (a learned temperature) are told from other scalars and kept in `state_dtype`
+  too (without `params`, float16 and float8 scalars are: see `_kept`). Every other
+  scalar (an injected hyperparameter, a line search's step size) and complex arrays keep
+  their dtype; at every step, each scalar keeps the dtype `init` gave it, computed in
+  float32 where narrow."""
   if state_dtype is None and (rounding == "nearest" or like is None):
     return inner_state
   # Written to nearest, a moment kept in bfloat16 never moves by less than half a spacing:
@@ -214,20 +216,20 @@ def store_state(inner_state: Any, like: Any, state_dtype: np.dtype | None, round
   return treedef.unflatten(stored)
 
 
-def scalar_moments(inner_state: Any, params: Any) -> set[str]:
+def scalar_moments(inner_state: Any, params: Any) -> set[str] | None:
   """The key paths (`jax.tree_util.keystr`) in `inner_state` of the moments of `params`'
   0-d real floating arrays: in each subtree of `inner_state` whose every leaf sits where
   one of the arrays does (Adam's `mu` and `nu`, momentum's `trace`; `optax.masked`'s
   and `multi_transform`'s, where masked-out places hold no leaf; adafactor's `v`, whose
-  factored places hold other shapes), the leaves at the 0-d arrays' places. None without
-  `params`, for a bare 0-d array (whose place is everywhere), or inside injected
-  hyperparameters."""
-  if params is None:
-    return set()
+  factored places hold other shapes), the leaves at the 0-d arrays' places, outside
+  injected hyperparameters. None where it cannot tell: without `params`, or for a bare
+  0-d array (whose place is everywhere)."""
+  if params is None or (_trees.is_array(params) and jnp.ndim(params) == 0):
+    return None
   arrays = jax.tree_util.tree_leaves_with_path(_trees.partition(params)[0])
-  places = {jax.tree_util.keystr(path) for path, _ in arrays if path}
+  places = {jax.tree_util.keystr(path) for path, _ in arrays}
   scalars = {jax.tree_util.keystr(path) for path, p in arrays
-             if path and jnp.ndim(p) == 0 and jnp.issubdtype(p.dtype, jnp.floating)}
+             if jnp.ndim(p) == 0 and jnp.issubdtype(p.dtype, jnp.floating)}
   if not scalars:
     return set()
 
@@ -244,17 +246,20 @@ def scalar_moments(inner_state: Any, params: Any) -> set[str]:
   return moments
 
 
-def _kept(path: tuple[Any, ...], x: Any, moments: set[str]) -> bool:
+def _kept(path: tuple[Any, ...], x: Any, moments: set[str] | None) -> bool:
   """Whether the state's leaf `x` at `path` is kept in `state_dtype`: a real floating
-  array of one dimension or more; a moment of a 0-d parameter (at one of `moments`); or
-  a float16 or float8 scalar outside injected hyperparameters, moment or not (without
-  the parameters, `wrap_state` cannot tell), which its own dtype would not hold."""
+  array of one dimension or more, or a moment of a 0-d parameter (at one of `moments`).
+  Where `scalar_moments` cannot tell (`moments=None`, `wrap_state` without the
+  parameters), every float16 or float8 scalar outside injected hyperparameters, moment
+  or not, which a moment's own dtype would not hold."""
   if not _trees.is_array(x) or not jnp.issubdtype(x.dtype, jnp.floating):
     return False
-  if jnp.ndim(x) >= 1 or (moments and jax.tree_util.keystr(path) in moments):
+  if jnp.ndim(x) >= 1:
     return True
-  return (_numerics.has_short_range(x.dtype)
-          and jax.tree_util.GetAttrKey("hyperparams") not in path)
+  if moments is None:
+    return (_numerics.has_short_range(x.dtype)
+            and jax.tree_util.GetAttrKey("hyperparams") not in path)
+  return jax.tree_util.keystr(path) in moments
 
 
 def stochastic(exact: jax.Array, old: jax.Array, seed: jax.Array, dtype: Any = None,

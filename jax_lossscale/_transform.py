@@ -785,9 +785,8 @@ def loss_scaling(
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's real floating arrays (Adam's `mu` and
-      `nu`, momentum, a 0-d parameter's moments, float16 scalars; not other scalars
-      such as injected hyperparameters, nor integer counts or complex moments) are kept
-      in, e.g.
+      `nu`, momentum, a 0-d parameter's moments; not other scalars such as injected
+      hyperparameters, nor integer counts or complex moments) are kept in, e.g.
       `jnp.bfloat16`; one with float32's exponent range (float16 and float8 are refused:
       a second moment holds squared gradients), float64 only with `jax_enable_x64` on.
       Every such array:
@@ -875,7 +874,7 @@ class _Step:
       compensation = _rounding.compensation_buffers(_trees.partition(params)[0])
     inner_state = _rounding.store_state(inner_state, None, self.state_dtype, "nearest", None,
                                         params)
-    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype)
+    _rounding.check_state_kept(inner_state, self.rounding, self.state_dtype, params)
     _warn_of_narrow_hyperparameters(inner_state)
     # Separate buffers for every field: a donated state must not alias itself.
     return LossScalingState(

@@ -181,6 +181,16 @@ def test_an_optimizers_own_scalars_keep_their_dtype_beside_a_parameter_of_their_
   assert state.inner_state[1].scale.dtype == jnp.float32
 
 
+def test_an_optimizers_own_float16_scalars_keep_their_dtype_when_init_has_the_parameters():
+  # Schedule-free's b1 is a hyperparameter: in bfloat16, 0.8984 instead of float16's 0.8999.
+  params = {"w": jnp.ones(4, jnp.float16), "t": jnp.ones([], jnp.float16)}
+  tx = jls.loss_scaling(optax.contrib.schedule_free_adamw(1e-2), jls.NoOpLossScale(),
+                        state_dtype=jnp.bfloat16)
+  state = tx.init(params).inner_state
+  assert state.b1.dtype == state.weight_sum.dtype == jnp.float16
+  assert state.base_optimizer_state[0].nu["t"].dtype == jnp.bfloat16
+
+
 def test_every_scalar_of_the_state_keeps_the_dtype_init_gave_it():
   # init widened a 0-d parameter's bfloat16 moment to state_dtype=float32; optax's
   # mu_dtype made it bfloat16 again at the step, and the next step traced anew.
