@@ -785,14 +785,14 @@ def loss_scaling(
       use `apply_gradients`. See docs/bfloat16.md.
     state_dtype: for optimizer state in half the bytes (optax's `mu_dtype`, for every
       moment): the dtype the inner optimizer's real floating arrays (Adam's `mu` and
-      `nu`, momentum, a 0-d parameter's moments; not other scalars such as injected
-      hyperparameters, nor integer counts or complex moments) are kept in, e.g.
-      `jnp.bfloat16`; one with float32's exponent range (float16 and float8 are refused:
-      a second moment holds squared gradients), float64 only with `jax_enable_x64` on.
-      Every such array:
-      an optimizer that keeps a copy of the parameters in its state
-      (`optax.contrib.mechanize`'s `x0`, `prodigy`'s) keeps it in `state_dtype` too,
-      rounded (mechanize then barely trains in bfloat16): leave those at None. The
+      `nu`, momentum, the moments of 0-d arrays in a tree of parameters; not other
+      scalars such as injected hyperparameters, nor integer counts or complex moments)
+      are kept in, e.g. `jnp.bfloat16`; one with float32's exponent range (float16 and
+      float8 are refused: a second moment holds squared gradients), float64 only with
+      `jax_enable_x64` on. Every such array: an optimizer that keeps a copy of the
+      parameters in its state (`optax.contrib.mechanize`'s `x0`, `prodigy`'s) keeps it
+      in `state_dtype` too, rounded (mechanize then barely trains in bfloat16): leave
+      those at None. The
       optimizer computes in float32 inside the step, narrower gradients widened (so the
       updates `update` returns are float32; `optax.apply_updates` casts them to each
       parameter's dtype); its new state is written back stochastically, whatever
