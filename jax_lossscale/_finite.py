@@ -273,20 +273,12 @@ def collective(op, x: Any, axes: Any, axis_name: AxisName) -> Any:
 
 
 def _varying_over(x: Any, axes: tuple[Hashable, ...]) -> Any:
-  """`x`, made to vary over each of `axes` that is a manual mesh axis it does not vary
-  over. A value equal on every device of an axis (a flag from gradients already averaged
-  over "data", on a "data" by "model" mesh) is agreed over that axis too, where JAX's
-  collectives refuse an axis their operand does not vary over."""
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if kind == jax.sharding.AxisType.Manual}
-
-  def varying(v):
-    missing = tuple(a for a in axes if a in manual
-                    and a not in _jax_internals.varying_axes(jax.typeof(v)))
-    return jax.lax.pcast(v, missing, to="varying") if missing else v
-
-  return jax.tree.map(varying, x)
+  """`x`, made to vary over each of `axes` that is a manual mesh axis. A value equal on
+  every device of an axis (a flag from gradients already averaged over "data", on a
+  "data" by "model" mesh) is agreed over that axis too, where JAX's collectives refuse an
+  axis their operand does not vary over."""
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  return jax.tree.map(lambda v: _trees.varying_over(v, [a for a in axes if a in manual]), x)
 
 
 # Each collective as a reduction of what `all_gather` stacks along a new first axis.

@@ -233,16 +233,21 @@ def scalar_moments(inner_state: Any, params: Any) -> set[str] | None:
   if not scalars:
     return set()
 
+  matched = {}  # id of each subtree at the arrays' places: its leaves at the 0-d places
+
   def at_places(node):
     found = jax.tree_util.tree_leaves_with_path(node)
-    return bool(found) and all(jax.tree_util.keystr(path) in places for path, _ in found)
+    keys = [jax.tree_util.keystr(path) for path, _ in found]
+    if not found or not all(key in places for key in keys):
+      return False
+    matched[id(node)] = [place for place, (_, x) in zip(keys, found, strict=True)
+                         if place in scalars and jnp.ndim(x) == 0]
+    return True
 
   moments = set()
   for path, node in jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=at_places)[0]:
-    if at_places(node) and jax.tree_util.GetAttrKey("hyperparams") not in path:
-      moments.update(jax.tree_util.keystr((*path, *place))
-                     for place, x in jax.tree_util.tree_leaves_with_path(node)
-                     if jax.tree_util.keystr(place) in scalars and jnp.ndim(x) == 0)
+    if id(node) in matched and jax.tree_util.GetAttrKey("hyperparams") not in path:
+      moments.update(jax.tree_util.keystr(path) + place for place in matched[id(node)])
   return moments
 
 

@@ -284,8 +284,14 @@ def negative_zeros_like(tree: Any, like: Any = None) -> Any:
 def varying_like(x: jax.Array, target: Any) -> jax.Array:
   """`x`, made to vary over the manual (`shard_map`) axes that `target` varies over."""
   aval = target if isinstance(target, jax.ShapeDtypeStruct) else jax.typeof(target)
-  want = _jax_internals.varying_axes(aval)
-  missing = tuple(sorted(want - _jax_internals.varying_axes(jax.typeof(x))))
+  return varying_over(x, sorted(_jax_internals.varying_axes(aval)))
+
+
+def varying_over(x: jax.Array, axes: Any) -> jax.Array:
+  """`x`, made to vary over each of the manual (`shard_map`) `axes` it does not vary
+  over already."""
+  have = _jax_internals.varying_axes(jax.typeof(x))
+  missing = tuple(a for a in axes if a not in have)
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
